@@ -1,0 +1,225 @@
+"""Frozen configuration passed down explicitly from the entry point.
+
+argv is parsed only in ``server/args.py``; the offline ``Engine`` builds an
+``EngineConfig`` from keyword arguments through ``EngineConfig.from_kwargs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+LOGPROBS_MODES = ("raw", "processed")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
+    """``auto`` is float32 on the CPU and bfloat16 on CUDA."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: unknown value {name!r}; expected auto or one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    rope_type: str = "default"
+    theta: float = 10000.0
+    # The remaining fields of the HF rope dict (factor, low_freq_factor, ...).
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return dict(self.params).get(key, default)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a decoder-only checkpoint, read from ``config.json``."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+    torch_dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_path(cls, model_path: str) -> ModelConfig:
+        path = os.path.join(model_path, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"model_path: no config.json in {model_path!r}")
+        with open(path) as f:
+            return cls.from_dict(json.load(f), source=path)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else cfg.get("model_type", "")
+
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise ValueError(f"{source}: missing required field {key!r}")
+            return cfg[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        head_dim = cfg.get("head_dim") or hidden // heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rope=_parse_rope(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch.startswith("Qwen3") or cfg.get("model_type") == "qwen3",
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+            # transformers 5 writes ``dtype``, earlier versions ``torch_dtype``.
+            torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+
+def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5: everything lives in ``rope_parameters``;
+    # before: ``rope_theta`` at top level plus an optional ``rope_scaling`` dict.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
+    return RopeConfig(rope_type=rope_type, theta=float(theta), params=tuple(sorted(params.items())))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    # Token capacity of the KV pool; None sizes it from ``mem_fraction_static``.
+    max_total_tokens: int | None = None
+    # Share of device memory (CUDA: free memory after weights; CPU: available
+    # RAM) that the KV pool may take when ``max_total_tokens`` is unset.
+    mem_fraction_static: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(
+                f"max_total_tokens must be >= page_size ({self.page_size}), got {self.max_total_tokens}"
+            )
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = 64
+    # Most prompt tokens prefilled in one step; a longer prompt is split.
+    chunked_prefill_size: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    tokenizer_path: str | None = None
+    dtype: str = "auto"
+    device: str = field(default_factory=default_device)
+    context_length: int | None = None
+    random_seed: int = 0
+    logprobs_mode: str = "raw"
+    max_top_logprobs: int = 20
+    # "auto" picks Triton kernels for CUDA tensors and torch references elsewhere.
+    kernel_backend: str = "auto"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.max_top_logprobs < 0:
+            raise ValueError(f"max_top_logprobs must be >= 0, got {self.max_top_logprobs}")
+        if self.kernel_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"context_length must be >= 1, got {self.context_length}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype, self.device)
+
+    @classmethod
+    def from_kwargs(cls, model_path: str, **kwargs: Any) -> EngineConfig:
+        """Flat keyword arguments (SGLang names) into the nested frozen config."""
+        sub: dict[type, dict[str, Any]] = {CacheConfig: {}, SchedulerConfig: {}}
+        top: dict[str, Any] = {}
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key, value in kwargs.items():
+            for sub_cls in sub:
+                if key in {f.name for f in dataclasses.fields(sub_cls)}:
+                    sub[sub_cls][key] = value
+                    break
+            else:
+                if key not in names or key in ("cache", "scheduler"):
+                    raise ValueError(f"unknown engine argument {key!r}")
+                top[key] = value
+        return cls(
+            model_path=model_path,
+            cache=CacheConfig(**sub[CacheConfig]),
+            scheduler=SchedulerConfig(**sub[SchedulerConfig]),
+            **top,
+        )
