@@ -96,6 +96,10 @@ class ModelConfig:
                 raise ValueError(f"{source}: missing required field {key!r}")
             return cfg[key]
 
+        if cfg.get("use_sliding_window") or any(
+            t != "full_attention" for t in cfg.get("layer_types") or []
+        ):
+            raise ValueError(f"{source}: sliding-window attention is not supported")
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
         head_dim = cfg.get("head_dim") or hidden // heads

@@ -1,0 +1,53 @@
+"""The one typed structure the scheduler hands to the model runner."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specserve.engine.request import Req
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill chunks (decode requests may ride along with one token)
+    DECODE = "decode"  # one token per request
+    VERIFY = "verify"  # a chain [anchor, d_1..d_L] per request, every row's logits needed
+
+
+@dataclass
+class BatchEntry:
+    """What the runner needs of one request: plain data, no engine objects."""
+
+    token_ids: list[int]  # tokens fed this step
+    prefix_len: int  # tokens of the request already in the KV cache
+    page_table: list[int]  # pages covering prefix_len + len(token_ids)
+    logit_rows: list[int]  # indices into token_ids whose logits are returned
+
+
+@dataclass
+class ReqStep:
+    """What the engine makes of one entry's logit rows after the forward.
+
+    The rows of an entry are, in order: ``num_input_logprob_rows`` rows scoring
+    prompt tokens ``input_logprob_start ..`` (row for position p scores the
+    token at p + 1), then the sampling row when ``sample`` is set.
+    """
+
+    req: Req
+    input_logprob_start: int = 0
+    num_input_logprob_rows: int = 0
+    sample: bool = False
+
+
+@dataclass
+class ScheduledBatch:
+    mode: ForwardMode
+    entries: list[BatchEntry]
+    steps: list[ReqStep]  # parallel to entries; the runner never reads it
+    capture_layer_ids: tuple[int, ...] = field(default=())
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(e.token_ids) for e in self.entries)

@@ -1,0 +1,272 @@
+"""Row-wise logprobs of a logits block in one pass over each row.
+
+Per row of ``[N, V]`` logits this computes, with an online max / sum-exp, the
+logsumexp of the (temperature-scaled) row, the logprob of one chosen token, the
+top-k logprobs with their ids, and the logprobs of a padded list of requested
+ids. The Triton kernel reads every logit once; the torch reference
+materialises the full ``[N, V]`` log-softmax and serves as the test oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # the module must still import on machines without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BACKENDS = ("auto", "triton", "torch")
+# Default vocab chunk per loop step: big enough to keep loads wide on a GPU,
+# small enough that the top-k merge passes over a chunk stay cheap.
+DEFAULT_BLOCK_V = 1024
+
+
+@dataclass
+class RowLogprobs:
+    token_logprobs: torch.Tensor  # [N] float32
+    top_values: torch.Tensor  # [N, K] float32, sorted descending (logprobs, not logits)
+    top_ids: torch.Tensor  # [N, K] int64
+    ids_logprobs: torch.Tensor  # [N, M] float32; entries where gather_ids == -1 are NaN
+
+
+def row_logprobs_ref(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    temperatures: torch.Tensor | None = None,
+    top_k: int = 0,
+    gather_ids: torch.Tensor | None = None,
+) -> RowLogprobs:
+    """Torch reference: full log_softmax, then gather and topk."""
+    x = logits.float()  # [N, V]
+    if temperatures is not None:
+        x = x / temperatures.float().unsqueeze(1)
+    logprobs = torch.log_softmax(x, dim=-1)  # [N, V]
+    token_logprobs = logprobs.gather(1, token_ids.long().unsqueeze(1)).squeeze(1)  # [N]
+    top_values, top_ids = torch.topk(logprobs, top_k, dim=-1)  # [N, K]
+    if gather_ids is None:
+        gather_ids = torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
+    pad = gather_ids < 0  # [N, M]
+    ids_logprobs = logprobs.gather(1, gather_ids.long().clamp(min=0))  # [N, M]
+    ids_logprobs = ids_logprobs.masked_fill(pad, float("nan"))
+    return RowLogprobs(token_logprobs, top_values, top_ids.long(), ids_logprobs)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _row_logprobs_kernel(
+        logits_ptr,
+        stride_lr,
+        token_ids_ptr,
+        stride_t,
+        temps_ptr,
+        stride_temp,
+        gather_ptr,
+        stride_gr,
+        stride_gc,
+        out_token_ptr,
+        out_topv_ptr,
+        out_topi_ptr,
+        out_ids_ptr,
+        V,
+        M,
+        HAS_TEMP: tl.constexpr,
+        K: tl.constexpr,
+        K_PAD: tl.constexpr,
+        M_PAD: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        # Top-k candidates are packed into one int64 key: the high 32 bits are the
+        # float's bits remapped so signed-int order equals float order, the low 32
+        # bits are (ID_MAX - id). One max reduction then picks the largest value
+        # and, among equal values, the lowest id.
+        ID_MAX: tl.constexpr = 2147483647
+        EMPTY: tl.constexpr = -9223372036854775808  # below every real key (even -inf)
+        NEG_INF: tl.constexpr = float("-inf")
+
+        # 64-bit row offset so huge [N, V] blocks cannot overflow.
+        row = tl.program_id(0).to(tl.int64)
+        row_ptr = logits_ptr + row * stride_lr
+        if HAS_TEMP:
+            t = tl.load(temps_ptr + row * stride_temp).to(tl.float32)
+
+        m = tl.full([], NEG_INF, tl.float32)  # running max
+        s = tl.full([], 0.0, tl.float32)  # running sum of exp(x - m)
+        k_offs = tl.arange(0, K_PAD)
+        top_key = tl.full([K_PAD], EMPTY, tl.int64)  # best keys, descending
+        kth_key = tl.full([], EMPTY, tl.int64)  # key in slot K-1; EMPTY until k are seen
+
+        for start in range(0, V, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            mask = offs < V
+            x = tl.load(row_ptr + offs, mask=mask, other=NEG_INF).to(tl.float32)
+            if HAS_TEMP:
+                # Divide, not multiply by 1/t, so values match logits / t bit for bit.
+                x = x / t
+            if K > 0:
+                # -0.0 would sort below +0.0 by bits; fold it so ties stay ties.
+                bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+                hi = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+                c_key = (hi.to(tl.int64) << 32) | (ID_MAX - offs).to(tl.int64)
+                c_key = tl.where(mask, c_key, EMPTY)  # [BLOCK_V]
+                c_top = tl.max(c_key, axis=0)
+                # The chunk max falls out of the key, saving a second reduction.
+                c_hi = (c_top >> 32).to(tl.int32)
+                c_max = (c_hi ^ ((c_hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+            else:
+                c_max = tl.max(x, axis=0)
+
+            m_new = tl.maximum(m, c_max)
+            # All -inf so far: shift by 0 instead, or exp(-inf - -inf) gives NaN.
+            m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
+            m = m_new
+
+            # The constexpr test must stay separate: c_top exists only when K > 0.
+            if K > 0:  # noqa: SIM102
+                # Most chunks of a long row cannot enter the top k: skip the merge.
+                if c_top > kth_key:
+                    new_key = tl.full([K_PAD], EMPTY, tl.int64)
+                    for j in range(K):
+                        best = tl.maximum(tl.max(top_key, axis=0), tl.max(c_key, axis=0))
+                        new_key = tl.where(k_offs == j, best, new_key)
+                        kth_key = best
+                        # Keys are unique (ids are), so this retires exactly the pick.
+                        top_key = tl.where(top_key == best, EMPTY, top_key)
+                        c_key = tl.where(c_key == best, EMPTY, c_key)
+                    top_key = new_key
+
+        lse = m + tl.log(s)
+
+        tok = tl.load(token_ids_ptr + row * stride_t)
+        x_tok = tl.load(row_ptr + tok).to(tl.float32)
+        if HAS_TEMP:
+            x_tok = x_tok / t
+        tl.store(out_token_ptr + row, x_tok - lse)
+
+        if K > 0:
+            top_hi = (top_key >> 32).to(tl.int32)
+            top_v = (top_hi ^ ((top_hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+            top_i = ID_MAX - (top_key & 0x7FFFFFFF)
+            k_mask = k_offs < K
+            tl.store(out_topv_ptr + row * K + k_offs, top_v - lse, mask=k_mask)
+            tl.store(out_topi_ptr + row * K + k_offs, top_i, mask=k_mask)
+
+        # Requested ids are read after the loop because they need the final lse.
+        m_offs = tl.arange(0, M_PAD)
+        m_mask = m_offs < M
+        gid = tl.load(gather_ptr + row * stride_gr + m_offs * stride_gc, mask=m_mask, other=-1)
+        valid = gid >= 0
+        xg = tl.load(row_ptr + gid, mask=valid, other=0.0).to(tl.float32)
+        if HAS_TEMP:
+            xg = xg / t
+        xg = tl.where(valid, xg - lse, float("nan"))
+        tl.store(out_ids_ptr + row * M + m_offs, xg, mask=m_mask)
+
+
+def _pow2_at_least(n: int) -> int:
+    # tl.arange needs a power-of-two length of at least 1.
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def row_logprobs_triton(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    temperatures: torch.Tensor | None = None,
+    top_k: int = 0,
+    gather_ids: torch.Tensor | None = None,
+    block_v: int | None = None,
+) -> RowLogprobs:
+    """Triton path: one program per row, one pass over the vocab."""
+    if not HAS_TRITON:
+        raise RuntimeError("row_logprobs_triton needs triton, which is not installed")
+    assert logits.dim() == 2, f"logits must be [N, V], got shape {tuple(logits.shape)}"
+    n, v = logits.shape
+    dev = logits.device
+    assert logits.dtype in _LOGIT_DTYPES, f"logits dtype must be one of {_LOGIT_DTYPES}"
+    assert logits.stride(1) == 1, f"logits last dim must be contiguous, strides {logits.stride()}"
+    assert v > 0, "logits must have a non-empty vocab dim"
+    assert token_ids.shape == (n,), f"token_ids must be [{n}], got {tuple(token_ids.shape)}"
+    assert token_ids.dtype == torch.int64, f"token_ids must be int64, got {token_ids.dtype}"
+    assert token_ids.device == dev, f"token_ids on {token_ids.device}, logits on {dev}"
+    if temperatures is not None:
+        assert temperatures.shape == (n,), (
+            f"temperatures must be [{n}], got {tuple(temperatures.shape)}"
+        )
+        assert temperatures.dtype == torch.float32, (
+            f"temperatures must be float32, got {temperatures.dtype}"
+        )
+        assert temperatures.device == dev, f"temperatures on {temperatures.device}, logits on {dev}"
+    assert isinstance(top_k, int) and 0 <= top_k <= v, f"top_k must be in [0, {v}], got {top_k}"
+    if gather_ids is None:
+        gather_ids = torch.empty(n, 0, dtype=torch.int64, device=dev)
+    assert gather_ids.dim() == 2 and gather_ids.shape[0] == n, (
+        f"gather_ids must be [{n}, M], got {tuple(gather_ids.shape)}"
+    )
+    assert gather_ids.dtype == torch.int64, f"gather_ids must be int64, got {gather_ids.dtype}"
+    assert gather_ids.device == dev, f"gather_ids on {gather_ids.device}, logits on {dev}"
+    m = gather_ids.shape[1]
+    if block_v is None:
+        block_v = DEFAULT_BLOCK_V
+    assert block_v > 0 and block_v & (block_v - 1) == 0, f"block_v must be a power of 2: {block_v}"
+
+    out = RowLogprobs(
+        token_logprobs=torch.empty(n, dtype=torch.float32, device=dev),
+        top_values=torch.empty(n, top_k, dtype=torch.float32, device=dev),
+        top_ids=torch.empty(n, top_k, dtype=torch.int64, device=dev),
+        ids_logprobs=torch.empty(n, m, dtype=torch.float32, device=dev),
+    )
+    if n == 0:
+        return out
+    # The kernel never reads temps when HAS_TEMP is off; any pointer will do.
+    temps = temperatures if temperatures is not None else out.token_logprobs
+    _row_logprobs_kernel[(n,)](
+        logits,
+        logits.stride(0),
+        token_ids,
+        token_ids.stride(0),
+        temps,
+        temps.stride(0),
+        gather_ids,
+        gather_ids.stride(0),
+        gather_ids.stride(1),
+        out.token_logprobs,
+        out.top_values,
+        out.top_ids,
+        out.ids_logprobs,
+        v,
+        m,
+        HAS_TEMP=temperatures is not None,
+        K=top_k,
+        K_PAD=_pow2_at_least(top_k),
+        M_PAD=_pow2_at_least(m),
+        BLOCK_V=block_v,
+        num_warps=4,
+    )
+    return out
+
+
+def row_logprobs(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    temperatures: torch.Tensor | None = None,
+    top_k: int = 0,
+    gather_ids: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> RowLogprobs:
+    """Dispatch: "auto" uses Triton on CUDA tensors, the torch reference elsewhere."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown row_logprobs backend {backend!r}; expected one of {_BACKENDS}")
+    use_triton = backend == "triton" or (backend == "auto" and logits.is_cuda and HAS_TRITON)
+    if use_triton:
+        return row_logprobs_triton(logits, token_ids, temperatures, top_k, gather_ids)
+    return row_logprobs_ref(logits, token_ids, temperatures, top_k, gather_ids)

@@ -1,0 +1,125 @@
+"""The decoder-only transformer shared by Llama and Qwen3.
+
+Parameter names follow the HF checkpoints except the fused projections
+(``qkv_proj``, ``gate_up_proj``), which the loader fills shard by shard.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.layers.activation import gated_act, get_activation
+from specserve.layers.attention import AttentionBackend, AttentionMetadata
+from specserve.layers.linear import MergedLinear
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rotary import RotaryEmbedding
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.split = self.qkv_proj.out_sizes
+
+    def forward(
+        self, x: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(meta.positions, q, k)
+        o = backend.forward(self.layer_id, q, k, v, meta)  # [T, H, D]
+        return self.o_proj(o.reshape(t, -1))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = get_activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gated_act(self.gate_up_proj(x), self.act))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, layer_id, rotary)
+        self.mlp = DecoderMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, h: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_position)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DecoderForCausalLM(nn.Module):
+    """``model.*`` body + ``lm_head`` (tied to the embedding when the config says so)."""
+
+    # Fused parameter -> the checkpoint projections stored in it, in order.
+    packed_modules = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+
+    def __init__(self, cfg: ModelConfig, max_position: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderBody(cfg, max_position or cfg.max_position_embeddings)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        capture_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final-normed hidden states ``[T, d]`` and the outputs of the chosen
+        layers (``[T, d]`` each, HF's ``hidden_states[i + 1]``)."""
+        h = self.model.embed_tokens(input_ids)
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, meta, backend)
+            if i in capture_layer_ids:
+                captured.append(h)
+        return self.model.norm(h), captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[R, d]`` -> float32 logits ``[R, V]``."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,105 @@
+"""Loads HF checkpoints (single or sharded safetensors) into our models."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+from specserve.config import ModelConfig
+from specserve.layers.linear import MergedLinear
+from specserve.models.decoder import DecoderForCausalLM
+from specserve.models.registry import resolve_model_class
+
+# Checkpoint entries that carry no weights of ours.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(model_path: str) -> list[str]:
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' object")
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.isfile(os.path.join(model_path, name)):
+                raise ValueError(f"{index}: lists {name!r}, which is missing from {model_path!r}")
+        return [os.path.join(model_path, name) for name in files]
+    files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"model_path: no *.safetensors checkpoint in {model_path!r}")
+    return [os.path.join(model_path, name) for name in files]
+
+
+def iter_checkpoint(files: list[str]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(file, key, tensor) for every tensor of the checkpoint."""
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                yield path, key, f.get_tensor(key)
+
+
+def load_model(
+    model_path: str,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_position: int | None = None,
+) -> DecoderForCausalLM:
+    cls = resolve_model_class(cfg.architecture)
+    # Build without initialising: every parameter is overwritten by the checkpoint.
+    with torch.device("meta"):
+        model = cls(cfg, max_position)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_weights(model, checkpoint_files(model_path))
+    return model.eval()
+
+
+def load_weights(model: DecoderForCausalLM, files: list[str]) -> None:
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    # Checkpoint key -> (destination view, parameter it belongs to).
+    expected: dict[str, torch.Tensor] = {}
+    for name, param in params.items():
+        module_name, _, attr = name.rpartition(".")
+        module = modules[module_name]
+        if isinstance(module, MergedLinear):
+            parent, _, fused = module_name.rpartition(".")
+            for shard, part in enumerate(model.packed_modules[fused]):
+                expected[f"{parent}.{part}.{attr}"] = module.shard_view(attr, shard)
+        else:
+            expected[name] = param.data
+    tied = model.config.tie_word_embeddings
+    if tied:
+        expected.pop("lm_head.weight", None)
+
+    loaded: set[str] = set()
+    for path, key, tensor in iter_checkpoint(files):
+        if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
+            continue
+        if key not in expected:
+            raise ValueError(
+                f"{path}: unexpected tensor {key!r} for {model.config.architecture} "
+                f"with {model.config.num_hidden_layers} layers (does config.json match the checkpoint?)"
+            )
+        dest = expected[key]
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise ValueError(
+                f"{path}: tensor {key!r} has shape {tuple(tensor.shape)}, "
+                f"config.json implies {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        loaded.add(key)
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        shown = ", ".join(repr(k) for k in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        where = files[0] if len(files) == 1 else f"{len(files)} files in {os.path.dirname(files[0])}"
+        raise ValueError(f"{where}: missing tensor(s) {shown}{more}")

@@ -1,0 +1,47 @@
+"""Turns a ScheduledBatch into the flat tensors of one forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.batch import ScheduledBatch
+from specserve.layers.attention import AttentionMetadata
+
+
+@dataclass
+class ForwardInputs:
+    input_ids: torch.Tensor  # [T] int64
+    logit_index: torch.Tensor  # [R] int64: token rows whose logits are returned
+    meta: AttentionMetadata
+
+
+def build_inputs(batch: ScheduledBatch, page_size: int, device: torch.device) -> ForwardInputs:
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logit_index: list[int] = []
+    for e in batch.entries:
+        n = len(e.token_ids)
+        assert len(e.page_table) * page_size >= e.prefix_len + n, "page table too short"
+        base = len(ids)
+        ids.extend(e.token_ids)
+        pos = range(e.prefix_len, e.prefix_len + n)
+        positions.extend(pos)
+        table = e.page_table
+        slots.extend(table[p // page_size] * page_size + p % page_size for p in pos)
+        logit_index.extend(base + r for r in e.logit_rows)
+
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        positions=as_tensor(positions),
+        slot_mapping=as_tensor(slots),
+        q_lens=[len(e.token_ids) for e in batch.entries],
+        kv_lens=[e.prefix_len + len(e.token_ids) for e in batch.entries],
+        page_tables=[e.page_table for e in batch.entries],
+        page_size=page_size,
+    )
+    return ForwardInputs(as_tensor(ids), as_tensor(logit_index), meta)
