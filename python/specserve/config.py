@@ -35,7 +35,9 @@ def parse_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     if name not in _DTYPES:
-        raise ValueError(f"dtype: unknown value {name!r}; expected auto or one of {sorted(_DTYPES)}")
+        raise ValueError(
+            f"dtype: unknown value {name!r}; expected auto or one of {sorted(_DTYPES)}"
+        )
     return _DTYPES[name]
 
 
@@ -161,7 +163,9 @@ class CacheConfig:
                 f"max_total_tokens must be >= page_size ({self.page_size}), got {self.max_total_tokens}"
             )
         if not 0.0 < self.mem_fraction_static <= 1.0:
-            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}"
+            )
 
 
 @dataclass(frozen=True)
@@ -194,11 +198,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            )
         if self.max_top_logprobs < 0:
             raise ValueError(f"max_top_logprobs must be >= 0, got {self.max_top_logprobs}")
         if self.kernel_backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}")
+            raise ValueError(
+                f"kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}"
+            )
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
 

@@ -48,7 +48,9 @@ class AttentionBackend(ABC):
         """
 
 
-def slots_of(page_table: list[int], length: int, page_size: int, device: torch.device) -> torch.Tensor:
+def slots_of(
+    page_table: list[int], length: int, page_size: int, device: torch.device
+) -> torch.Tensor:
     """KV slots of positions ``[0, length)`` for one request, ``[length]`` int64."""
     pages = torch.tensor(page_table[: -(-length // page_size)], dtype=torch.int64)
     slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:length]
@@ -81,7 +83,11 @@ class TorchSDPABackend(AttentionBackend):
                 single_ids.append(i)
             else:
                 cached = kv_len > q_len
-                slots = slots_of(meta.page_tables[i], kv_len, meta.page_size, device) if cached else None
+                slots = (
+                    slots_of(meta.page_tables[i], kv_len, meta.page_size, device)
+                    if cached
+                    else None
+                )
                 multi.append((row, q_len, slots))
             row += q_len
         single_rows = single_slots = single_mask = None

@@ -14,7 +14,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[rot_dim // 2]`` and the cos/sin scale for a rope config."""
     if rope.rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_type {rope.rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+        raise ValueError(
+            f"rope_type {rope.rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+        )
     dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     exponent = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (rope.theta**exponent)  # [dim // 2]
@@ -68,7 +70,9 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int, max_position: int) -> tuple[torch
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
+        0, 1
+    )
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     extrapolation = 1.0 / pos_freqs
     interpolation = 1.0 / (factor * pos_freqs)

@@ -26,7 +26,9 @@ class DecoderAttention(nn.Module):
         self.head_dim = cfg.head_dim
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias)
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias
+        )
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None

@@ -101,5 +101,7 @@ def load_weights(model: DecoderForCausalLM, files: list[str]) -> None:
     if missing:
         shown = ", ".join(repr(k) for k in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        where = files[0] if len(files) == 1 else f"{len(files)} files in {os.path.dirname(files[0])}"
+        where = (
+            files[0] if len(files) == 1 else f"{len(files)} files in {os.path.dirname(files[0])}"
+        )
         raise ValueError(f"{where}: missing tensor(s) {shown}{more}")

@@ -76,7 +76,9 @@ class ModelRunner:
             budget = min(budget, -(-most // self.page_size) * per_page)
         pages = int(budget // per_page)
         if pages < 1:
-            raise ValueError("not enough memory for a single KV page; lower the model size or dtype")
+            raise ValueError(
+                "not enough memory for a single KV page; lower the model size or dtype"
+            )
         return pages
 
     @torch.inference_mode()

@@ -1,0 +1,179 @@
+"""One engine step: schedule -> forward -> sample -> commit -> outputs.
+
+Single-threaded and synchronous; ``engine.py`` runs it on a background
+thread and talks to it only through ``add`` / ``abort`` / ``step``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.cache.block_pool import BlockPool
+from specserve.config import EngineConfig
+from specserve.engine.batch import ScheduledBatch
+from specserve.engine.output_processor import OutputProcessor, RunCommit
+from specserve.engine.request import FinishReason, Req, ReqStatus
+from specserve.engine.scheduler import Scheduler
+from specserve.runner.model_runner import ForwardOutput, ModelRunner
+from specserve.sampling.logprobs import TokenLogprob
+from specserve.sampling.penalties import PenaltyState, RowControls, apply_logit_bias
+from specserve.sampling.sampler import Sampler
+from specserve.tokenizer.detokenizer import Decoder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step added to one request (a streaming delta)."""
+
+    rid: str
+    token_ids: list[int]
+    text: str
+    output_logprobs: list[TokenLogprob]
+    input_logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class _Cursor:
+    """How much of a request has been reported already."""
+
+    tokens: int = 0
+    text: int = 0
+    input_logprobs: int = 0
+    hold: int = 0  # chars kept back while unfinished: a stop string may still cut them
+
+
+@dataclass
+class EngineCore:
+    config: EngineConfig
+    runner: ModelRunner
+    tokenizer: Decoder
+    scheduler: Scheduler = field(init=False)
+    sampler: Sampler = field(init=False)
+    output_processor: OutputProcessor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.block_pool = BlockPool(self.runner.num_pages, self.runner.page_size)
+        self.scheduler = Scheduler(self.config.scheduler, self.block_pool)
+        self.sampler = Sampler(self.runner.device, self.config.random_seed)
+        self.output_processor = OutputProcessor(
+            self.tokenizer,
+            self.config.logprobs_mode,
+            self.runner.context_length,
+            self.config.kernel_backend,
+        )
+        self._cursors: dict[str, _Cursor] = {}
+
+    # ---- requests -------------------------------------------------------
+
+    def add(self, req: Req) -> None:
+        device = self.runner.device
+        if req.sampling.seed is not None:
+            req.generator = torch.Generator(device=device)
+            req.generator.manual_seed(req.sampling.seed)
+        if req.sampling.has_penalties:
+            req.penalty = PenaltyState.create(req.prompt_ids, self.runner.vocab_size, device)
+        hold = max((len(s) for s in req.sampling.stop), default=1) - 1
+        self._cursors[req.rid] = _Cursor(hold=hold)
+        self.scheduler.add(req)
+
+    def abort(self, rid: str, message: str | None = None) -> RequestOutput | None:
+        req = self.scheduler.abort(rid, message)
+        return self._delta(req) if req is not None else None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.block_pool.total_pages() * self.block_pool.page_size
+
+    # ---- the step -------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        fwd = self.runner.forward(batch)
+        self.scheduler.mark_computed(batch)
+        runs, scoring = self._sample(batch, fwd)
+        self.output_processor.process(batch.steps, fwd.row_offsets, runs, scoring)
+        self.scheduler.reap_finished()
+        return [self._delta(step.req) for step in batch.steps]
+
+    def _sample(
+        self, batch: ScheduledBatch, fwd: ForwardOutput
+    ) -> tuple[list[RunCommit], torch.Tensor]:
+        """One token per sampling step; returns the runs and the logits to score from."""
+        sample_steps = [i for i, s in enumerate(batch.steps) if s.sample]
+        if not sample_steps:
+            return [], self._scoring_logits(batch, fwd, None, [])
+        rows = [fwd.row_offsets[i + 1] - 1 for i in sample_steps]
+        reqs = [batch.steps[i].req for i in sample_steps]
+        controls = [self._controls(r) for r in reqs]
+        out = self.sampler.sample(fwd.logits[rows], controls, [r.generator for r in reqs])
+        runs = [
+            RunCommit(i, [tok], [row]) for i, tok, row in zip(sample_steps, out.token_ids, rows)
+        ]
+        return runs, self._scoring_logits(batch, fwd, out.processed_logits, rows)
+
+    @staticmethod
+    def _controls(req: Req) -> RowControls:
+        return RowControls(req.sampling, req.penalty, len(req.output_ids), req.stop_ids)
+
+    def _scoring_logits(
+        self,
+        batch: ScheduledBatch,
+        fwd: ForwardOutput,
+        processed: torch.Tensor | None,
+        sample_rows: list[int],
+    ) -> torch.Tensor:
+        """Raw mode scores the model's logits. Processed mode scores what the
+        sampler drew from; prompt rows get the request's logit bias (there is
+        no generated history to penalise)."""
+        if self.config.logprobs_mode == "raw":
+            return fwd.logits
+        if not any(s.req.logprob.return_logprob for s in batch.steps):
+            return fwd.logits
+        logits = fwd.logits.clone()
+        for i, step in enumerate(batch.steps):
+            if step.num_input_logprob_rows and step.req.sampling.logit_bias:
+                lo = fwd.row_offsets[i]
+                apply_logit_bias(
+                    logits[lo : lo + step.num_input_logprob_rows], step.req.sampling.logit_bias
+                )
+        if processed is not None and sample_rows:
+            logits[sample_rows] = processed
+        return logits
+
+    # ---- outputs --------------------------------------------------------
+
+    def _delta(self, req: Req) -> RequestOutput:
+        cur = self._cursors[req.rid]
+        finished = req.status is ReqStatus.FINISHED
+        visible = len(req.text) if finished else max(cur.text, len(req.text) - cur.hold)
+        out = RequestOutput(
+            rid=req.rid,
+            token_ids=req.output_ids[cur.tokens :],
+            text=req.text[cur.text : visible],
+            output_logprobs=req.output_logprobs[cur.tokens :] if req.logprob.return_logprob else [],
+            input_logprobs=req.input_logprobs[cur.input_logprobs :],
+            finished=finished,
+            finish_reason=req.finish_reason,
+            prompt_tokens=req.prompt_len,
+            completion_tokens=len(req.output_ids),
+        )
+        cur.tokens = len(req.output_ids)
+        cur.text = visible
+        cur.input_logprobs = len(req.input_logprobs)
+        if finished:
+            del self._cursors[req.rid]
+        return out

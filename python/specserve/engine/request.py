@@ -1,0 +1,140 @@
+"""The request object: it owns its tokens, logprobs, text and status."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specserve.sampling.logprobs import TokenLogprob
+from specserve.sampling.params import SamplingParams
+from specserve.sampling.penalties import PenaltyState
+from specserve.tokenizer.detokenizer import DetokState
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # the stop token id or stop string
+    message: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.type}
+        if self.matched is not None:
+            d["matched"] = self.matched
+        if self.message is not None:
+            d["message"] = self.message
+        return d
+
+
+@dataclass(frozen=True)
+class LogprobOptions:
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: output tokens only; k: also prompt positions k..
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] | None = None
+    return_text_in_logprobs: bool = False
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    logprob: LogprobOptions = field(default_factory=LogprobOptions)
+    eos_ids: frozenset[int] = frozenset()
+
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""  # visible output text (stop strings cut)
+
+    # KV state, managed by the scheduler.
+    page_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens of all_ids whose K/V are in the cache
+    num_preemptions: int = 0
+
+    # Logprobs. Input entries cover prompt positions logprob_start_len .. P-1.
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    next_input_logprob: int = 0  # next prompt position to score
+
+    # Sampling state.
+    generator: torch.Generator | None = None
+    penalty: PenaltyState | None = None
+    detok: DetokState = field(default_factory=lambda: DetokState((), 0))
+    stop_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids
+
+    def __post_init__(self) -> None:
+        self.detok = DetokState.start(self.prompt_ids)
+        eos = frozenset() if self.sampling.ignore_eos else self.eos_ids
+        self.stop_ids = eos | frozenset(self.sampling.stop_token_ids)
+        opts = self.logprob
+        start = (
+            opts.logprob_start_len if opts.return_logprob and opts.logprob_start_len >= 0 else None
+        )
+        self.next_input_logprob = self.prompt_len if start is None else start
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def token_at(self, pos: int) -> int:
+        p = self.prompt_len
+        return self.prompt_ids[pos] if pos < p else self.output_ids[pos - p]
+
+    def tokens_from(self, start: int, end: int) -> list[int]:
+        """``all_ids[start:end]`` without building ``all_ids``."""
+        p = self.prompt_len
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    def append_input_logprobs(self, entries: list[TokenLogprob]) -> None:
+        self.input_logprobs.extend(entries)
+        self.next_input_logprob += len(entries)
+
+    def append_run(
+        self,
+        token_ids: list[int],
+        text: str,
+        detok: DetokState,
+        logprobs: list[TokenLogprob] | None,
+        finish: FinishReason | None,
+    ) -> None:
+        """The one mutator for generated output: a committed run of tokens, the
+        visible text after it (a stop string may cut text committed earlier),
+        the detokenizer state, the run's logprobs and the finish it ends in."""
+        assert not self.finished, f"request {self.rid} is already finished"
+        assert logprobs is None or len(logprobs) == len(token_ids)
+        self.output_ids.extend(token_ids)
+        self.text = text
+        self.detok = detok
+        if logprobs is not None:
+            self.output_logprobs.extend(logprobs)
+        if self.penalty is not None and token_ids:
+            self.penalty.add(token_ids)
+        if finish is not None:
+            self.finish(finish)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = ReqStatus.FINISHED
+        self.finish_reason = reason

@@ -1,0 +1,169 @@
+"""Turns generate() arguments into validated ``GenerateRequest``s.
+
+Every bad value is a ``ValueError`` that names its field; nothing invalid
+reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from specserve.engine.request import LogprobOptions
+from specserve.sampling.params import SamplingParams
+from specserve.tokenizer.tokenizer import Tokenizer
+
+
+@dataclass
+class GenerateRequest:
+    """One prompt of a generate call, validated, before it becomes a ``Req``."""
+
+    input_ids: list[int]
+    sampling: SamplingParams
+    logprob: LogprobOptions
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    context_length: int
+    capacity_tokens: int  # KV pool size: a longer request could never run
+    max_top_logprobs: int
+
+
+def _is_id_list(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in v
+    )
+
+
+class RequestFactory:
+    def __init__(self, tokenizer: Tokenizer, limits: Limits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def build(
+        self,
+        prompt: str | Sequence[str] | None = None,
+        sampling_params: Any = None,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        return_logprob: bool | Sequence[bool] = False,
+        logprob_start_len: int | Sequence[int] | None = None,
+        top_logprobs_num: int | Sequence[int] = 0,
+        token_ids_logprob: Sequence[int] | Sequence[Sequence[int] | None] | None = None,
+        return_text_in_logprobs: bool = False,
+        rid: str | Sequence[str] | None = None,
+    ) -> tuple[list[GenerateRequest], bool]:
+        """The requests, and whether the call was a batch (lists in, list out)."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("exactly one of prompt (text) and input_ids must be given")
+        if prompt is not None:
+            batched = not isinstance(prompt, str)
+            texts = [prompt] if not batched else list(prompt)
+            if not all(isinstance(t, str) for t in texts):
+                raise ValueError("prompt must be a string or a list of strings")
+            prompts = [self.tokenizer.encode(t) for t in texts]
+        else:
+            assert input_ids is not None
+            batched = not _is_id_list(input_ids)
+            prompts = [list(p) for p in input_ids] if batched else [list(input_ids)]  # type: ignore[arg-type]
+        n = len(prompts)
+        if n == 0:
+            raise ValueError("prompt: empty batch")
+
+        def spread(value: Any, name: str, single: Callable[[Any], bool]) -> list[Any]:
+            if single(value):
+                return [value] * n
+            if not isinstance(value, (list, tuple)) or len(value) != n:
+                raise ValueError(f"{name}: expected one value or a list of {n} (one per prompt)")
+            return list(value)
+
+        sps = spread(
+            sampling_params,
+            "sampling_params",
+            lambda v: v is None or isinstance(v, (dict, SamplingParams)),
+        )
+        rls = spread(return_logprob, "return_logprob", lambda v: isinstance(v, bool))
+        starts = spread(
+            logprob_start_len, "logprob_start_len", lambda v: v is None or isinstance(v, int)
+        )
+        tops = spread(top_logprobs_num, "top_logprobs_num", lambda v: isinstance(v, int))
+        tids = spread(token_ids_logprob, "token_ids_logprob", lambda v: v is None or _is_id_list(v))
+        rids = spread(rid, "rid", lambda v: v is None or isinstance(v, str))
+        reqs = [
+            self._one(
+                prompts[i],
+                sps[i],
+                rls[i],
+                starts[i],
+                tops[i],
+                tids[i],
+                return_text_in_logprobs,
+                rids[i],
+            )
+            for i in range(n)
+        ]
+        return reqs, batched
+
+    def _one(
+        self,
+        ids: list[int],
+        sampling: Any,
+        return_logprob: Any,
+        logprob_start_len: int | None,
+        top_logprobs_num: Any,
+        token_ids_logprob: Any,
+        return_text: bool,
+        rid: str | None,
+    ) -> GenerateRequest:
+        lim = self.limits
+        vocab = lim.vocab_size
+        if not ids:
+            raise ValueError("prompt: empty prompt (no tokens)")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"input_ids: every token id must be an integer in [0, {vocab})")
+        sp = SamplingParams.from_dict(sampling)
+        if any(t >= vocab for t in (sp.logit_bias or {})):
+            raise ValueError(f"logit_bias: token ids must be < {vocab}")
+        if any(t >= vocab for t in sp.stop_token_ids):
+            raise ValueError(f"stop_token_ids: token ids must be < {vocab}")
+        if not isinstance(return_logprob, bool):
+            raise ValueError(f"return_logprob must be a boolean, got {return_logprob!r}")
+        start = -1 if logprob_start_len is None else logprob_start_len
+        if not isinstance(start, int) or isinstance(start, bool) or not -1 <= start < len(ids):
+            raise ValueError(
+                f"logprob_start_len must be -1 or in [0, {len(ids)}) (the prompt length), "
+                f"got {logprob_start_len!r}"
+            )
+        if (
+            not isinstance(top_logprobs_num, int)
+            or isinstance(top_logprobs_num, bool)
+            or not 0 <= top_logprobs_num <= lim.max_top_logprobs
+        ):
+            raise ValueError(
+                f"top_logprobs_num must be in [0, {lim.max_top_logprobs}], got {top_logprobs_num!r}"
+            )
+        tid = None
+        if token_ids_logprob is not None:
+            if not _is_id_list(token_ids_logprob) or not all(
+                0 <= t < vocab for t in token_ids_logprob
+            ):
+                raise ValueError(f"token_ids_logprob: expected a list of token ids in [0, {vocab})")
+            tid = tuple(token_ids_logprob) or None
+        total = len(ids) + sp.max_new_tokens
+        for limit, what in (
+            (lim.context_length, "the context length"),
+            (lim.capacity_tokens, "the KV cache capacity"),
+        ):
+            if total > limit:
+                raise ValueError(
+                    f"max_new_tokens: the prompt ({len(ids)} tokens) plus max_new_tokens "
+                    f"({sp.max_new_tokens}) exceeds {what} ({limit} tokens)"
+                )
+        if rid is not None and (not isinstance(rid, str) or not rid):
+            raise ValueError("rid must be a non-empty string")
+        opts = LogprobOptions(return_logprob, start, top_logprobs_num, tid, bool(return_text))
+        return GenerateRequest(ids, sp, opts, rid or uuid.uuid4().hex)

@@ -1,0 +1,159 @@
+"""Continuous batching with chunked prefill and recompute preemption.
+
+Each step every running request gets its share: a decoding request feeds its
+last token, a request still prefilling (or recomputing after preemption)
+feeds a chunk of at most ``chunked_prefill_size`` prompt tokens across the
+batch. Waiting requests join while slots, prefill budget and KV pages last.
+When a running request needs a page and none is free, the newest running
+request is preempted: its pages are freed and it returns to the front of the
+queue with its generated tokens, to be recomputed later. No request is lost.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from specserve.cache.block_pool import BlockPool
+from specserve.config import SchedulerConfig
+from specserve.engine.batch import BatchEntry, ForwardMode, ReqStep, ScheduledBatch
+from specserve.engine.request import FinishReason, Req, ReqStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_pool: BlockPool) -> None:
+        self.config = config
+        self.block_pool = block_pool
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # in admission order: the last one is preempted first
+        self.num_preemptions = 0
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, rid: str) -> Req | None:
+        for req in self.running:
+            if req.rid == rid:
+                return req
+        for req in self.waiting:
+            if req.rid == rid:
+                return req
+        return None
+
+    def abort(self, rid: str, message: str | None = None) -> Req | None:
+        """Finishes ``rid`` with ``abort`` and frees what it held; None if unknown."""
+        req = self.find(rid)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._release(req)
+        req.finish(FinishReason("abort", message=message))
+        return req
+
+    def schedule(self) -> ScheduledBatch | None:
+        budget = self.config.chunked_prefill_size
+        planned: list[tuple[Req, int]] = []
+        preempted = False
+        for req in list(self.running):
+            if req.status is not ReqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            pending = req.seq_len - req.num_computed
+            n = pending if pending == 1 else min(pending, budget)
+            if n == 0:
+                continue
+            if not self._reserve(req, n):
+                preempted = True
+                continue
+            if pending > 1:
+                budget -= n
+            planned.append((req, n))
+        # Admitting right after a preemption would only thrash the pool.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_running_requests
+        ):
+            req = self.waiting[0]
+            n = min(req.seq_len - req.num_computed, budget)
+            if not self._allocate(req, req.num_computed + n):
+                break
+            self.waiting.popleft()
+            req.status = ReqStatus.RUNNING
+            self.running.append(req)
+            budget -= n
+            planned.append((req, n))
+        if not planned:
+            return None
+        return self._build_batch(planned)
+
+    def _reserve(self, req: Req, n: int) -> bool:
+        """Pages for ``n`` more tokens of a running request, preempting newer
+        requests (and finally ``req`` itself) until they fit."""
+        while not self._allocate(req, req.num_computed + n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _allocate(self, req: Req, num_tokens: int) -> bool:
+        need = self.block_pool.pages_for(num_tokens) - len(req.page_table)
+        if need <= 0:
+            return True
+        pages = self.block_pool.allocate(need)
+        if pages is None:
+            return False
+        req.page_table.extend(pages)
+        return True
+
+    def _preempt(self, req: Req) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = ReqStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Req) -> None:
+        self.block_pool.release(req.page_table)
+        req.page_table = []
+        req.num_computed = 0
+
+    def _build_batch(self, planned: list[tuple[Req, int]]) -> ScheduledBatch:
+        entries: list[BatchEntry] = []
+        steps: list[ReqStep] = []
+        decode_only = True
+        for req, n in planned:
+            start, end = req.num_computed, req.num_computed + n
+            # Prompt tokens scored in this chunk: q with row q - 1 in [start, end).
+            q_lo = max(req.next_input_logprob, start + 1, 1)
+            q_hi = min(end + 1, req.prompt_len)
+            num_in = max(0, q_hi - q_lo)
+            sample = end == req.seq_len and req.sampling.max_new_tokens > 0
+            rows = list(range(q_lo - 1 - start, q_hi - 1 - start)) if num_in else []
+            if sample:
+                rows.append(n - 1)
+            entries.append(BatchEntry(req.tokens_from(start, end), start, req.page_table, rows))
+            steps.append(ReqStep(req, q_lo, num_in, sample))
+            decode_only &= n == 1 and sample and num_in == 0
+        mode = ForwardMode.DECODE if decode_only else ForwardMode.EXTEND
+        return ScheduledBatch(mode, entries, steps)
+
+    def mark_computed(self, batch: ScheduledBatch) -> None:
+        """After the forward: the fed tokens' K/V are in the cache."""
+        for entry, step in zip(batch.entries, batch.steps):
+            step.req.num_computed = entry.prefix_len + len(entry.token_ids)
+
+    def reap_finished(self) -> list[Req]:
+        """Drops finished requests from the running set and frees their pages."""
+        done = [req for req in self.running if req.finished]
+        for req in done:
+            self.running.remove(req)
+            self._release(req)
+        return done

@@ -1,0 +1,60 @@
+"""HF tokenizers from a local path, plus chat templates."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+class Tokenizer:
+    def __init__(self, path: str) -> None:
+        if not os.path.isdir(path):
+            raise ValueError(f"tokenizer_path: {path!r} is not a directory")
+        from transformers import AutoTokenizer
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # transformers raises many kinds; one clear line instead
+            raise ValueError(
+                f"tokenizer_path: cannot load a tokenizer from {path!r}: {e}"
+            ) from None
+        self.eos_token_ids = frozenset(self._eos_ids(path))
+
+    def _eos_ids(self, path: str) -> set[int]:
+        ids: set[int] = set()
+        if self.hf.eos_token_id is not None:
+            ids.add(int(self.hf.eos_token_id))
+        # generation_config.json often lists more (e.g. chat end-of-turn tokens).
+        gen = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen):
+            with open(gen) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return ids
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.hf.eos_token
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token on its own (logprob entries)."""
+        return self.hf.decode([token_id], skip_special_tokens=False)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        if not self.hf.chat_template:
+            raise ValueError("messages: this model's tokenizer has no chat template")
+        return self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
