@@ -101,7 +101,7 @@ class TorchSDPABackend(AttentionBackend):
                 )
             single_slots = slot_table.to(device)
             single_mask = (torch.arange(lmax)[None, :] < lens[:, None]).to(device)[:, None, None, :]
-            if not (len(single_ids) == len(meta.q_lens)):
+            if len(single_ids) != len(meta.q_lens):
                 single_rows = torch.tensor([starts[i] for i in single_ids], device=device)
         meta.plan = _SDPAPlan(single_rows, single_slots, single_mask, multi)
 

@@ -40,7 +40,7 @@ def iter_checkpoint(files: list[str]) -> Iterator[tuple[str, str, torch.Tensor]]
     """(file, key, tensor) for every tensor of the checkpoint."""
     for path in files:
         with safe_open(path, framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield path, key, f.get_tensor(key)
 
 
