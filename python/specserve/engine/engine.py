@@ -145,6 +145,8 @@ class Engine:
         deltas: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def sink(out: RequestOutput) -> None:
+            # Raises RuntimeError once the consumer's loop is closed; _deliver
+            # then aborts the request.
             loop.call_soon_threadsafe(deltas.put_nowait, out)
 
         self.submit(greq, sink)
@@ -204,8 +206,16 @@ class Engine:
         for out in outputs:
             with self._lock:
                 sink = self._sinks.pop(out.rid, None) if out.finished else self._sinks.get(out.rid)
-            if sink is not None:
+            if sink is None:
+                continue
+            try:
                 sink(out)
+            except Exception:  # nobody is listening any more: stop computing for it
+                logger.debug("dropping request %s: its consumer is gone", out.rid, exc_info=True)
+                if not out.finished:
+                    with self._lock:
+                        self._sinks.pop(out.rid, None)
+                    self.core.abort(out.rid, "consumer went away")
 
     def shutdown(self) -> None:
         with self._lock:

@@ -1,0 +1,137 @@
+"""Scheduler policy without a model: chunking, admission, preemption, aborts."""
+
+from __future__ import annotations
+
+from specserve.cache.block_pool import BlockPool
+from specserve.config import SchedulerConfig
+from specserve.engine.batch import ForwardMode
+from specserve.engine.request import FinishReason, LogprobOptions, Req, ReqStatus
+from specserve.engine.scheduler import Scheduler
+from specserve.sampling.params import SamplingParams
+
+
+def req(rid: str, prompt_len: int, max_new: int = 8, **logprob) -> Req:
+    return Req(
+        rid,
+        list(range(10, 10 + prompt_len)),
+        SamplingParams(max_new_tokens=max_new),
+        LogprobOptions(**logprob),
+    )
+
+
+def step(s: Scheduler, tokens: dict[str, int] | None = None):
+    """Schedules, marks computed, and appends one token to every sampling request."""
+    batch = s.schedule()
+    assert batch is not None
+    s.mark_computed(batch)
+    for st in batch.steps:
+        if st.sample:
+            st.req.output_ids.append((tokens or {}).get(st.req.rid, 1))
+    return batch
+
+
+def test_chunked_prefill_splits_within_budget_and_decodes_ride_along() -> None:
+    s = Scheduler(SchedulerConfig(max_running_requests=8, chunked_prefill_size=6), BlockPool(64, 4))
+    a, b = req("a", 3), req("b", 10)
+    s.add(a)
+    s.add(b)
+    b1 = step(s)
+    assert [len(e.token_ids) for e in b1.entries] == [3, 3]  # a whole, b's first chunk
+    assert [st.sample for st in b1.steps] == [True, False]
+    assert b1.mode is ForwardMode.EXTEND
+    b2 = step(s)
+    # a decodes one token outside the prefill budget; b gets the next 6.
+    assert [(st.req.rid, len(e.token_ids)) for st, e in zip(b2.steps, b2.entries)] == [
+        ("a", 1),
+        ("b", 6),
+    ]
+    b3 = step(s)
+    assert [len(e.token_ids) for e in b3.entries] == [1, 1]
+    assert [st.sample for st in b3.steps] == [True, True]
+    b4 = step(s)
+    assert b4.mode is ForwardMode.DECODE
+    assert b4.entries[1].prefix_len == 10 and b4.entries[1].token_ids == b.output_ids[-1:]
+
+
+def test_input_logprob_rows_cover_each_prompt_position_once() -> None:
+    s = Scheduler(SchedulerConfig(chunked_prefill_size=4), BlockPool(64, 4))
+    r = req("r", 10, return_logprob=True, logprob_start_len=0)
+    s.add(r)
+    scored: list[int] = []
+    while not r.output_ids:
+        batch = step(s)
+        st, e = batch.steps[0], batch.entries[0]
+        scored.extend(
+            range(st.input_logprob_start, st.input_logprob_start + st.num_input_logprob_rows)
+        )
+        # Row of token q is its position q - 1 inside this chunk.
+        rows = e.logit_rows[: st.num_input_logprob_rows]
+        assert [e.prefix_len + row + 1 for row in rows] == list(
+            range(st.input_logprob_start, st.input_logprob_start + len(rows))
+        )
+        r.next_input_logprob += st.num_input_logprob_rows + (1 if r.next_input_logprob == 0 else 0)
+    assert scored == list(range(1, 10))
+
+
+def test_admission_stops_at_max_running_and_when_pages_run_out() -> None:
+    s = Scheduler(
+        SchedulerConfig(max_running_requests=2, chunked_prefill_size=100), BlockPool(6, 4)
+    )
+    for i in range(4):
+        s.add(req(str(i), 5))
+    b = step(s)
+    assert [st.req.rid for st in b.steps] == ["0", "1"]
+    assert len(s.waiting) == 2 and s.block_pool.free_pages() == 2
+    s2 = Scheduler(
+        SchedulerConfig(max_running_requests=8, chunked_prefill_size=100), BlockPool(3, 4)
+    )
+    for i in range(3):
+        s2.add(req(str(i), 5))
+    b = step(s2)
+    assert [st.req.rid for st in b.steps] == ["0"]  # the second needs 2 pages, 1 is free
+
+
+def test_preemption_takes_the_newest_and_requeues_it_first() -> None:
+    s = Scheduler(
+        SchedulerConfig(max_running_requests=8, chunked_prefill_size=100), BlockPool(4, 4)
+    )
+    a, b = req("a", 8, max_new=20), req("b", 8, max_new=20)
+    s.add(a)
+    s.add(b)
+    step(s)  # a: 2 pages, b: 2 pages; both sampled their first token
+    assert s.block_pool.free_pages() == 0
+    batch = step(s)  # position 8 needs a third page for a: b is preempted
+    assert [st.req.rid for st in batch.steps] == ["a"]
+    assert (
+        b.status is ReqStatus.WAITING
+        and s.waiting[0] is b
+        and b.num_computed == 0
+        and not b.page_table
+    )
+    assert b.output_ids == [1] and s.num_preemptions == 1
+    # Finishing a frees its pages; b is recomputed over prompt + its output and samples next.
+    a.finish(FinishReason("length"))
+    s.reap_finished()
+    batch = step(s)
+    assert batch.entries[0].token_ids == b.prompt_ids + [1] and batch.steps[0].sample
+    assert len(b.output_ids) == 2
+
+
+def test_a_lone_request_that_cannot_grow_preempts_itself_and_retries() -> None:
+    s = Scheduler(SchedulerConfig(chunked_prefill_size=100), BlockPool(2, 4))
+    a = req("a", 8)
+    s.add(a)
+    step(s)
+    assert s.schedule() is None  # position 8 needs a third page: a goes back to the queue
+    assert a.status is ReqStatus.WAITING and s.block_pool.free_pages() == 2
+
+
+def test_abort_running_and_waiting_frees_pages() -> None:
+    s = Scheduler(SchedulerConfig(max_running_requests=1), BlockPool(8, 4))
+    a, b = req("a", 5), req("b", 5)
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert s.abort("a") is a and a.finish_reason.type == "abort"
+    assert s.abort("b") is b and s.abort("nope") is None
+    assert s.block_pool.free_pages() == 8 and not s.has_work()

@@ -1,0 +1,62 @@
+"""Tiny checkpoints for tests, built once per session, and HF oracles for them."""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+
+import torch
+
+from specserve.tools.tiny_model import make_tiny_model
+
+# name -> make_tiny_model arguments. Together they cover Qwen3 and Llama, tied
+# and untied embeddings, single-file and sharded checkpoints.
+ZOO = {
+    "qwen3": dict(arch="qwen3"),
+    "qwen3-tied-sharded": dict(
+        arch="qwen3", tie_word_embeddings=True, max_shard_size="60KB", seed=1
+    ),
+    "llama-sharded": dict(arch="llama", max_shard_size="60KB", seed=2),
+    "llama-tied": dict(arch="llama", tie_word_embeddings=True, seed=3),
+}
+
+_ROOT = tempfile.mkdtemp(prefix="specserve-zoo-")
+
+
+@functools.cache
+def model_path(name: str) -> str:
+    return make_tiny_model(os.path.join(_ROOT, name), **ZOO[name])
+
+
+@functools.cache
+def hf_model(name: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path(name), dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_logits(name: str, ids: list[int]) -> torch.Tensor:
+    """Logits ``[len(ids), V]`` of the HF model over one sequence."""
+    return hf_model(name)(torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy(name: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    model = hf_model(name)
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def random_prompts(n: int, lengths: list[int], vocab: int = 500, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(4, vocab, (lengths[i % len(lengths)],), generator=g).tolist()
+        for i in range(n)
+    ]

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import pytest
+
+from models_zoo import model_path
+from specserve.tokenizer.detokenizer import DetokState, detok_flush, detok_step
+from specserve.tokenizer.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer(model_path("qwen3"))
+
+
+def test_chat_template_and_eos(tok: Tokenizer) -> None:
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_token == "<|im_end|>" and tok.encode("<|im_end|>")[0] in tok.eos_token_ids
+
+
+def test_bad_path_is_a_clear_error(tmp_path) -> None:
+    with pytest.raises(ValueError, match="tokenizer_path"):
+        Tokenizer(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="tokenizer_path"):
+        Tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("text", ["plain ascii words", "é😀日本 mixed ✓ ok", "🙂🙂🙂"])
+def test_incremental_detok_equals_full_decode_and_never_splits_a_char(
+    tok: Tokenizer, text: str
+) -> None:
+    prompt = tok.encode("context: ")
+    ids = tok.encode(text)
+    state = DetokState.start(prompt)
+    pieces = []
+    for t in ids:
+        piece, state = detok_step(tok, state, t, True)
+        assert "\ufffd" not in piece
+        pieces.append(piece)
+    pieces.append(detok_flush(tok, state, True))
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert len(state.window) <= 8  # the window stays short
