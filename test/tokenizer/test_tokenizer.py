@@ -40,3 +40,9 @@ def test_incremental_detok_equals_full_decode_and_never_splits_a_char(
     pieces.append(detok_flush(tok, state, True))
     assert "".join(pieces) == tok.decode(ids) == text
     assert len(state.window) <= 8  # the window stays short
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_decode_equals_transformers_decode(tok: Tokenizer, skip: bool) -> None:
+    ids = tok.encode("<|im_start|>user\nnaïve 😀 text<|im_end|>")
+    assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -31,8 +32,8 @@ class Engine:
     """
 
     def __init__(self, model_path: str | None = None, **engine_args: Any) -> None:
-        if model_path is None:
-            raise ValueError("model_path is required")
+        if model_path is None or not os.path.isdir(model_path):
+            raise ValueError(f"model_path: {model_path!r} is not a directory")
         self.config = EngineConfig.from_kwargs(model_path, **engine_args)
         self.tokenizer = Tokenizer(self.config.tokenizer_path or model_path)
         self.runner = ModelRunner(self.config)
@@ -50,10 +51,12 @@ class Engine:
         self.eos_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _sinks, _thread, _stopped
+        self._core_lock = threading.Lock()  # held by whoever steps the core
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="specserve-engine", daemon=True)
-        self._thread.start()
+        self._stopping = threading.Event()
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None  # started by the first async caller
         logger.info(
             "engine ready: %s (%s) on %s, %s, KV capacity %d tokens, loaded in %.1fs",
             model_path,
@@ -80,6 +83,10 @@ class Engine:
 
     def submit(self, greq: GenerateRequest, sink: Sink) -> None:
         """Queues a validated request; ``sink`` receives its deltas on the engine thread."""
+        self._ensure_loop()
+        self._enqueue(greq, sink)
+
+    def _enqueue(self, greq: GenerateRequest, sink: Sink) -> None:
         with self._lock:
             if self._stopped:
                 raise RuntimeError("the engine has been shut down")
@@ -89,9 +96,12 @@ class Engine:
         self._inbox.put(
             ("add", Req(greq.rid, greq.input_ids, greq.sampling, greq.logprob, self.eos_ids))
         )
+        self._wakeup.set()
 
     def abort(self, rid: str) -> None:
+        """Aborts a queued or running request; a no-op for unknown or finished ones."""
         self._inbox.put(("abort", rid))
+        self._wakeup.set()
 
     # ---- blocking API -------------------------------------------------------
 
@@ -104,9 +114,13 @@ class Engine:
         greqs, batched = self.requests.build(prompt, sampling_params, **kwargs)
         collectors = [ResultCollector() for _ in greqs]
         for greq, col in zip(greqs, collectors):
-            self.submit(greq, col.add)
+            self._enqueue(greq, col.add)
         for col in collectors:
-            col.done.wait()
+            while not col.done.is_set():
+                if self._thread is not None:
+                    col.done.wait(0.05)
+                else:
+                    self._pump()
         results = [self.format(g, c.as_output(g.rid)) for g, c in zip(greqs, collectors)]
         return results if batched else results[0]
 
@@ -160,33 +174,49 @@ class Engine:
             if not finished:
                 self.abort(greq.rid)
 
-    # ---- the engine thread ----------------------------------------------------
+    # ---- driving the core ------------------------------------------------------
 
-    def _loop(self) -> None:
-        while True:
-            # Block only when there is nothing to compute.
-            wait = None if self.core.has_work() else 0.05
-            try:
-                cmd = self._inbox.get(timeout=wait) if wait else self._inbox.get_nowait()
-            except queue.Empty:
-                cmd = None
-            while cmd is not None:
-                if cmd[0] == "stop":
-                    self._deliver(self._abort_all("the engine was shut down"))
-                    return
-                self._handle(cmd)
+    def _pump(self) -> None:
+        """Takes in queued commands, runs one step if there is work, delivers.
+
+        Whoever drives the core holds ``_core_lock``: the background thread
+        once async callers exist, otherwise the blocking callers themselves.
+        Blocking callers step inline because torch's CPU thread pool serves
+        the main thread noticeably faster than any other thread.
+        """
+        with self._core_lock:
+            while True:
                 try:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
-                    cmd = None
+                    break
+                self._handle(cmd)
             if not self.core.has_work():
-                continue
+                return
             try:
                 outputs = self.core.step()
-            except Exception as e:  # a bug must not take the engine thread down
+            except Exception as e:  # a bug must not take the engine down with it
                 logger.exception("engine step failed; aborting the affected requests")
                 outputs = self._abort_all(f"internal error: {type(e).__name__}: {e}")
             self._deliver(outputs)
+
+    def _ensure_loop(self) -> None:
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the engine has been shut down")
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="specserve-engine", daemon=True
+                )
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            if not self.core.has_work() and self._inbox.empty():
+                self._wakeup.wait(0.05)
+                self._wakeup.clear()
+                continue
+            self._pump()
 
     def _handle(self, cmd: tuple[str, Any]) -> None:
         kind, arg = cmd
@@ -218,12 +248,26 @@ class Engine:
                     self.core.abort(out.rid, "consumer went away")
 
     def shutdown(self) -> None:
+        """Stops the engine; requests still in flight finish with ``abort``."""
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
-        self._inbox.put(("stop", None))
-        self._thread.join(timeout=60)
+            thread = self._thread
+        self._stopping.set()
+        self._wakeup.set()
+        if thread is not None:
+            thread.join(timeout=60)
+        with self._core_lock:
+            self._pump_commands_only()
+            self._deliver(self._abort_all("the engine was shut down"))
+
+    def _pump_commands_only(self) -> None:
+        while True:
+            try:
+                self._handle(self._inbox.get_nowait())
+            except queue.Empty:
+                return
 
     def __enter__(self) -> Engine:
         return self

@@ -6,7 +6,7 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, scaled in the input dtype (as HF does)."""
+    """RMSNorm computed in float32 and scaled in the input dtype, as HF does."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -14,6 +14,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(dtype)
+        return self.weight * normed.to(x.dtype)

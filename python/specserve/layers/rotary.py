@@ -99,22 +99,23 @@ class RotaryEmbedding:
         pos = torch.arange(length, dtype=torch.float32, device="cpu")
         freqs = pos[:, None] * self.inv_freq[None, :]  # [length, rot_dim // 2]
         cos, sin = freqs.cos(), freqs.sin()
-        self._cos_sin = torch.cat([cos, cos, sin, sin], dim=-1).mul_(self.scale).to(device)
+        # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: one roll instead of
+        # a split, a negation and a concatenation.
+        table = torch.cat([cos, cos, -sin, sin], dim=-1).mul_(self.scale)
+        self._cos_sin = table.to(device)
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q [T, H, D]``, ``k [T, Hkv, D]`` rotated at ``positions [T]``."""
+    def __call__(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotates each ``x [T, heads, D]`` at ``positions [T]``."""
         assert self._cos_sin is not None
         if self._cos_sin.device != positions.device:
             self._cos_sin = self._cos_sin.to(positions.device)
-        cos_sin = self._cos_sin[positions].unsqueeze(1).to(q.dtype)  # [T, 1, 2 * rot_dim]
+        cos_sin = self._cos_sin[positions].unsqueeze(1).to(xs[0].dtype)  # [T, 1, 2 * rot_dim]
         cos, sin = cos_sin.chunk(2, dim=-1)
-        return _rotate(q, cos, sin, self.rot_dim), _rotate(k, cos, sin, self.rot_dim)
+        return tuple(self._rotate(x, cos, sin) for x in xs)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
-    rot, rest = x[..., :rot_dim], x[..., rot_dim:]
-    x1, x2 = rot.chunk(2, dim=-1)
-    rotated = rot * cos + torch.cat([-x2, x1], dim=-1) * sin
-    return torch.cat([rotated, rest], dim=-1) if rest.numel() else rotated
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.rot_dim // 2
+        if self.rot_dim == x.shape[-1]:
+            return x * cos + x.roll(half, dims=-1) * sin
+        rot, rest = x[..., : self.rot_dim], x[..., self.rot_dim :]
+        return torch.cat([rot * cos + rot.roll(half, dims=-1) * sin, rest], dim=-1)

@@ -7,6 +7,7 @@ Parameter names follow the HF checkpoints except the fused projections
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig
@@ -39,15 +40,18 @@ class DecoderAttention(nn.Module):
         self, x: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        # F.linear on the weights directly: module calls cost more than the
+        # matmuls of a small model at decode batch sizes.
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         q, k = self.rotary(meta.positions, q, k)
         o = backend.forward(self.layer_id, q, k, v, meta)  # [T, H, D]
-        return self.o_proj(o.reshape(t, -1))
+        return F.linear(o.reshape(t, -1), self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderMLP(nn.Module):
@@ -59,7 +63,8 @@ class DecoderMLP(nn.Module):
         self.act = get_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_act(self.gate_up_proj(x), self.act))
+        gate_up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return F.linear(gated_act(gate_up, self.act), self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -73,8 +78,8 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.self_attn.forward(self.input_layernorm.forward(h), meta, backend)
+        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
 
 
 class DecoderBody(nn.Module):
@@ -117,11 +122,11 @@ class DecoderForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         captured = []
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, meta, backend)
+            h = layer.forward(h, meta, backend)
             if i in capture_layer_ids:
                 captured.append(h)
-        return self.model.norm(h), captured
+        return self.model.norm.forward(h), captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, d]`` -> float32 logits ``[R, V]``."""
-        return self.lm_head(hidden).float()
+        return F.linear(hidden, self.lm_head.weight).float()

@@ -20,6 +20,11 @@ class Tokenizer:
                 f"tokenizer_path: cannot load a tokenizer from {path!r}: {e}"
             ) from None
         self.eos_token_ids = frozenset(self._eos_ids(path))
+        # transformers' decode wraps the Rust tokenizer's and only adds an optional
+        # space clean-up; calling the Rust one directly saves most of the cost.
+        backend = getattr(self.hf, "_tokenizer", None)
+        plain = not getattr(self.hf, "clean_up_tokenization_spaces", False)
+        self._fast_decode = backend.decode if backend is not None and plain else None
 
     def _eos_ids(self, path: str) -> set[int]:
         ids: set[int] = set()
@@ -44,6 +49,8 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True) -> str:
+        if self._fast_decode is not None:
+            return self._fast_decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:

@@ -1,0 +1,138 @@
+"""Offline throughput: specserve vs transformers ``generate()`` on one checkpoint.
+
+Same prompts, greedy, exactly ``--output-len`` new tokens per prompt on both
+sides (EOS ignored), interleaved repetitions in one process; prints output
+tokens/s per side and their ratio at each batch size.
+
+    python benchmark/bench_offline.py                       # builds a small random Qwen3
+    python benchmark/bench_offline.py --model-path DIR --batch-sizes 1 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model-path", default=None, help="HF checkpoint; default: build a random Qwen3"
+    )
+    p.add_argument("--hidden-size", type=int, default=256, help="size of the built model")
+    p.add_argument("--num-layers", type=int, default=4, help="layers of the built model")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--output-json", default=None)
+    return p.parse_args()
+
+
+def build_model(args: argparse.Namespace) -> str:
+    from specserve.tools.tiny_model import make_tiny_model
+
+    path = os.path.join(tempfile.mkdtemp(prefix="bench-offline-"), "model")
+    return make_tiny_model(
+        path,
+        "qwen3",
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        intermediate_size=3 * args.hidden_size,
+        num_heads=max(1, args.hidden_size // 64),
+        num_kv_heads=max(1, args.hidden_size // 128),
+        head_dim=64,
+        tokenizer_vocab=2048,
+        init_std=0.02,
+    )
+
+
+def main() -> int:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    from specserve import Engine
+
+    path = args.model_path or build_model(args)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        print(f"bench_offline: no checkpoint at {path}", file=sys.stderr)
+        return 1
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    max_bs = max(args.batch_sizes)
+    engine = Engine(
+        model_path=path,
+        device="cpu",
+        max_running_requests=max_bs,
+        max_total_tokens=max_bs * (args.input_len + args.output_len + 16),
+    )
+    vocab = min(hf.config.vocab_size, len(engine.tokenizer))
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(4, vocab, (max_bs, args.input_len), generator=g)
+    sp = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
+
+    def run_hf(bs: int) -> float:
+        ids = prompts[:bs]
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
+                pad_token_id=hf.config.pad_token_id,
+            )
+        elapsed = time.perf_counter() - start
+        assert out.shape[1] == args.input_len + args.output_len
+        return bs * args.output_len / elapsed
+
+    def run_ours(bs: int) -> float:
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=prompts[:bs].tolist(), sampling_params=sp)
+        elapsed = time.perf_counter() - start
+        assert all(len(o["output_ids"]) == args.output_len for o in outs)
+        return bs * args.output_len / elapsed
+
+    rows = []
+    for bs in args.batch_sizes:
+        run_hf(bs)  # warm-up both sides once
+        run_ours(bs)
+        hf_tps, our_tps = [], []
+        for _ in range(args.repeats):
+            hf_tps.append(run_hf(bs))
+            our_tps.append(run_ours(bs))
+        h, o = statistics.median(hf_tps), statistics.median(our_tps)
+        rows.append({"batch": bs, "hf_tok_s": h, "specserve_tok_s": o, "ratio": o / h})
+    engine.shutdown()
+
+    cfg = hf.config
+    print(
+        f"model: {path} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}), "
+        f"input {args.input_len}, output {args.output_len}, torch threads {torch.get_num_threads()}, "
+        f"median of {args.repeats}"
+    )
+    print(f"{'batch':>6} {'transformers tok/s':>19} {'specserve tok/s':>16} {'ratio':>7}")
+    for r in rows:
+        print(
+            f"{r['batch']:>6} {r['hf_tok_s']:>19.1f} {r['specserve_tok_s']:>16.1f} {r['ratio']:>6.2f}x"
+        )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""``specserve`` command line entry point."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+from specserve.server.args import build_parser, engine_kwargs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "make-tiny-model":
+            return _make_tiny_model(args)
+        if args.command == "generate":
+            return _generate(args)
+    except ValueError as e:  # bad input: one clear line, no traceback
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+def _make_tiny_model(args: Any) -> int:
+    from specserve.tools.tiny_model import make_tiny_model
+
+    path = make_tiny_model(
+        args.path,
+        args.arch,
+        tie_word_embeddings=args.tie_word_embeddings,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        intermediate_size=2 * args.hidden_size,
+        seed=args.seed,
+    )
+    print(f"wrote a tiny {args.arch} checkpoint to {path}")
+    return 0
+
+
+def _generate(args: Any) -> int:
+    from specserve import Engine
+
+    sp = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+    }
+    with Engine(model_path=args.model_path, **engine_kwargs(args)) as engine:
+        k = args.logprobs
+        results = engine.generate(
+            list(args.prompt),
+            sp,
+            return_logprob=k is not None,
+            top_logprobs_num=k or 0,
+            return_text_in_logprobs=True,
+        )
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    for prompt, r in zip(args.prompt, results):
+        meta = r["meta_info"]
+        print(f"prompt: {prompt!r}")
+        print(f"output: {r['text']!r}")
+        print(f"        {meta['completion_tokens']} tokens, finish: {meta['finish_reason']}")
+        if k is not None:
+            tops = meta["output_top_logprobs"] or [[]] * meta["completion_tokens"]
+            for (lp, _, text), top in zip(meta["output_token_logprobs"], tops):
+                alts = ", ".join(f"{t!r} {v:.3f}" for v, _, t in top)
+                print(f"    {text!r:>14} {lp:8.4f}   top: {alts}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

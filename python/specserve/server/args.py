@@ -1,0 +1,120 @@
+"""The one place argv is parsed: engine flags (SGLang spellings) and subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from specserve.config import LOGPROBS_MODES, CacheConfig, EngineConfig, SchedulerConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model-path",
+        required=True,
+        help="local HF checkpoint directory (config.json + *.safetensors)",
+    )
+    g.add_argument(
+        "--tokenizer-path", default=None, help="tokenizer directory (default: the model path)"
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16",
+    )
+    g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    g.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="max prompt + output tokens (default: the model's)",
+    )
+    g.add_argument("--random-seed", type=int, default=0, help="seed of the shared sampling stream")
+    g.add_argument(
+        "--logprobs-mode",
+        choices=LOGPROBS_MODES,
+        default="raw",
+        help="raw: the model's distribution; processed: the one sampled from",
+    )
+    g.add_argument(
+        "--max-top-logprobs",
+        type=int,
+        default=20,
+        help="largest top-logprobs count a request may ask for",
+    )
+    g.add_argument(
+        "--kernel-backend",
+        choices=("auto", "triton", "torch"),
+        default="auto",
+        help="auto: Triton kernels on CUDA tensors, torch references elsewhere",
+    )
+    c = parser.add_argument_group("KV cache")
+    c.add_argument(
+        "--page-size", type=int, default=CacheConfig.page_size, help="tokens per KV page"
+    )
+    c.add_argument("--max-total-tokens", type=int, default=None, help="KV cache capacity in tokens")
+    c.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=CacheConfig.mem_fraction_static,
+        help="share of free memory for the KV cache when --max-total-tokens is unset",
+    )
+    s = parser.add_argument_group("scheduler")
+    s.add_argument("--max-running-requests", type=int, default=SchedulerConfig.max_running_requests)
+    s.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=SchedulerConfig.chunked_prefill_size,
+        help="most prompt tokens prefilled per step",
+    )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine keyword arguments from parsed flags (unset optional flags dropped)."""
+    names = {
+        f.name
+        for cls in (EngineConfig, CacheConfig, SchedulerConfig)
+        for f in dataclasses.fields(cls)
+    }
+    names -= {"model_path", "cache", "scheduler"}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specserve",
+        description="A small LLM serving engine built around speculative decoding.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline generation from the command line")
+    add_engine_args(gen)
+    gen.add_argument(
+        "--prompt", action="append", required=True, help="a prompt (repeat for a batch)"
+    )
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="print each output token's logprob and its top-K alternatives",
+    )
+    gen.add_argument("--json", action="store_true", help="print the raw result dicts as JSON")
+
+    tiny = sub.add_parser(
+        "make-tiny-model", help="write a tiny random-weight checkpoint with a real tokenizer"
+    )
+    tiny.add_argument("path")
+    tiny.add_argument("--arch", choices=("qwen3", "llama"), default="qwen3")
+    tiny.add_argument("--tie-word-embeddings", action="store_true")
+    tiny.add_argument("--num-layers", type=int, default=2)
+    tiny.add_argument("--hidden-size", type=int, default=64)
+    tiny.add_argument("--seed", type=int, default=0)
+    return parser
