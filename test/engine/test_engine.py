@@ -192,6 +192,20 @@ def test_processed_mode_scores_the_sampled_distribution(processed_engine: Engine
         )
     for j, (lp, tid, _) in enumerate(meta["input_token_logprobs"][1:], start=1):
         assert lp == pytest.approx(float(ref[j - 1, tid]), abs=TOL)
+    for j, top in enumerate(meta["output_top_logprobs"]):
+        vals, idx = ref[len(p) - 1 + j].topk(4)
+        assert [t[1] for t in top] == idx.tolist()
+        assert [t[0] for t in top] == pytest.approx(vals.tolist(), abs=TOL)
+    # Re-scoring the same sequence in processed mode gives the same numbers.
+    res = processed_engine.generate(
+        input_ids=seq,
+        sampling_params={"max_new_tokens": 0, "temperature": temp, "logit_bias": bias},
+        return_logprob=True,
+        logprob_start_len=len(p),
+    )
+    assert [t[0] for t in res["meta_info"]["input_token_logprobs"]] == pytest.approx(
+        [t[0] for t in meta["output_token_logprobs"]], abs=TOL
+    )
     # Greedy requests score at temperature 1 in processed mode.
     g = processed_engine.generate(input_ids=p, sampling_params=GREEDY, return_logprob=True)
     ref1 = torch.log_softmax(hf_logits("qwen3", p + g["output_ids"]), dim=-1)
@@ -434,3 +448,56 @@ def test_invalid_input_raises_value_error_naming_the_field(engine: Engine, kwarg
         ]
         == 2
     )
+
+
+def test_repetition_penalty_greedy_equals_hf_generate(engine: Engine) -> None:
+    from models_zoo import hf_model
+
+    p = random_prompts(1, [10], seed=24)[0]
+    out = engine.generate(
+        input_ids=p,
+        sampling_params={"temperature": 0, "max_new_tokens": 16, "repetition_penalty": 1.5},
+    )
+    with torch.no_grad():
+        ref = (
+            hf_model("qwen3")
+            .generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=16,
+                do_sample=False,
+                repetition_penalty=1.5,
+            )[0, len(p) :]
+            .tolist()
+        )
+    assert out["output_ids"] == ref
+
+
+def test_triton_kernel_backend_gives_the_same_logprobs() -> None:
+    """The Triton row-logprob kernel (interpreted on the CPU) inside the engine."""
+    p = random_prompts(1, [6], seed=25)[0]
+    kwargs = dict(
+        input_ids=p,
+        sampling_params={"temperature": 0, "max_new_tokens": 3},
+        return_logprob=True,
+        logprob_start_len=2,
+        top_logprobs_num=3,
+        token_ids_logprob=[4, 9],
+    )
+    results = []
+    for backend in ("torch", "triton"):
+        eng = make_engine(kernel_backend=backend)
+        try:
+            results.append(eng.generate(**kwargs))
+        finally:
+            eng.shutdown()
+    ref, got = (r["meta_info"] for r in results)
+    assert results[0]["output_ids"] == results[1]["output_ids"]
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        assert [t[1] for t in got[key]] == [t[1] for t in ref[key]]
+        assert [t[0] for t in got[key][1:]] == pytest.approx([t[0] for t in ref[key][1:]], abs=1e-5)
+    for a, b in zip(got["output_top_logprobs"], ref["output_top_logprobs"]):
+        assert [t[1] for t in a] == [t[1] for t in b]
+        assert [t[0] for t in a] == pytest.approx([t[0] for t in b], abs=1e-5)
+    for a, b in zip(got["output_token_ids_logprobs"], ref["output_token_ids_logprobs"]):
+        assert [t[0] for t in a] == pytest.approx([t[0] for t in b], abs=1e-5)
