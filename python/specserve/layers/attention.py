@@ -58,7 +58,7 @@ class _SDPAPlan:
     # Requests with one query token, batched: whole pages gathered, tails masked.
     single_rows: torch.Tensor | None  # [Bs] token rows (None: the batch is rows 0..Bs-1)
     single_pages: torch.Tensor | None  # [Bs, P] page ids, padded with page 0
-    single_mask: torch.Tensor | None  # [Bs, 1, 1, P * page_size] bool
+    single_bias: torch.Tensor | None  # [Bs, 1, 1, P * page_size]: 0 or -inf past kv_len
     # Requests with several query tokens, one SDPA call each: (first token row,
     # q_len, kv_len, pages to gather or None when nothing was cached before).
     multi: list[tuple[int, int, int, torch.Tensor | None]]
@@ -89,18 +89,19 @@ class TorchSDPABackend(AttentionBackend):
                     pages = torch.tensor(table, dtype=torch.int64).to(device, non_blocking=True)
                 multi.append((row, q_len, kv_len, pages))
             row += q_len
-        single_rows = single_pages = single_mask = None
+        single_rows = single_pages = single_bias = None
         if single_ids:
             lens = [meta.kv_lens[i] for i in single_ids]
             tables = [page_tensor(meta.page_tables[i], n, ps) for i, n in zip(single_ids, lens)]
             width = max(len(t) for t in tables)
             padded = [t + [0] * (width - len(t)) for t in tables]
             single_pages = torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
-            keep = torch.arange(width * ps)[None, :] < torch.tensor(lens)[:, None]  # [Bs, P * ps]
-            single_mask = keep.to(device, non_blocking=True)[:, None, None, :]
+            past = torch.arange(width * ps)[None, :] >= torch.tensor(lens)[:, None]  # [Bs, P * ps]
+            bias = torch.zeros(past.shape).masked_fill_(past, float("-inf"))
+            single_bias = bias.to(device, non_blocking=True)[:, None, None, :]
             if len(single_ids) != len(meta.q_lens):
                 single_rows = torch.tensor([starts[i] for i in single_ids], device=device)
-        meta.plan = _SDPAPlan(single_rows, single_pages, single_mask, multi)
+        meta.plan = _SDPAPlan(single_rows, single_pages, single_bias, multi)
 
     def _gather(self, cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
         """``[..., P]`` page ids -> ``[..., P * page_size, Hkv, D]`` keys or values."""
@@ -120,15 +121,13 @@ class TorchSDPABackend(AttentionBackend):
         out = torch.empty_like(q)
         if plan.single_pages is not None:
             qs = q if plan.single_rows is None else q[plan.single_rows]  # [Bs, H, D]
-            ks = self._gather(k_cache, plan.single_pages, ps).transpose(1, 2)  # [Bs, Hkv, L, D]
-            vs = self._gather(v_cache, plan.single_pages, ps).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                qs.unsqueeze(2), ks, vs, attn_mask=plan.single_mask, enable_gqa=gqa
-            )  # [Bs, H, 1, D]
+            ks = self._gather(k_cache, plan.single_pages, ps)  # [Bs, L, Hkv, D]
+            vs = self._gather(v_cache, plan.single_pages, ps)
+            o = _decode_attention(qs, ks, vs, plan.single_bias)  # [Bs, H, D]
             if plan.single_rows is None:
-                out = o.squeeze(2)
+                out = o
             else:
-                out[plan.single_rows] = o.squeeze(2)
+                out[plan.single_rows] = o
         for start, q_len, kv_len, pages in plan.multi:
             qm = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
             if pages is None:
@@ -145,3 +144,19 @@ class TorchSDPABackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(qm, km, vm, attn_mask=mask, enable_gqa=gqa)
             out[start : start + q_len] = o.transpose(0, 1)
         return out
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k: torch.Tensor,  # [B, L, Hkv, D]
+    v: torch.Tensor,  # [B, L, Hkv, D]
+    bias: torch.Tensor,  # [B, 1, 1, L]
+) -> torch.Tensor:
+    """One query per request, written out: cheaper than SDPA with a mask at
+    these sizes on the CPU. Query heads are grouped over their shared KV head."""
+    b, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.view(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * d**-0.5  # [B, Hkv, G, L]
+    probs = torch.softmax(scores + bias, dim=-1)
+    return torch.matmul(probs, v.transpose(1, 2)).view(b, h, d)  # [B, Hkv, G, D] -> [B, H, D]

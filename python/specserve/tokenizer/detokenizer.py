@@ -23,12 +23,19 @@ class Decoder(Protocol):
 @dataclass(frozen=True)
 class DetokState:
     window: tuple[int, ...]  # ids from the last boundary whose text was already released
-    read: int  # window[:read] is released text (context); window[read:] is pending
+    read: int  # window[:read] is released (context); window[read:] is pending
+    # decode(window[:read]), or None until first computed (the prompt context).
+    released: str | None = None
 
     @classmethod
     def start(cls, prompt_ids: list[int]) -> DetokState:
         ctx = tuple(prompt_ids[-CONTEXT_IDS:])
         return cls(ctx, len(ctx))
+
+    def released_text(self, tok: Decoder, skip_special_tokens: bool) -> str:
+        if self.released is not None:
+            return self.released
+        return tok.decode(self.window[: self.read], skip_special_tokens)
 
 
 def detok_step(
@@ -36,15 +43,17 @@ def detok_step(
 ) -> tuple[str, DetokState]:
     """Text released by appending ``token_id`` and the next state (pure)."""
     window = state.window + (token_id,)
-    released = tok.decode(window[: state.read], skip_special_tokens)
+    released = state.released_text(tok, skip_special_tokens)
     full = tok.decode(window, skip_special_tokens)
     if len(full) > len(released) and not full.endswith("\ufffd"):
-        return full[len(released) :], DetokState(window[state.read :], len(window) - state.read)
-    return "", DetokState(window, state.read)
+        piece = full[len(released) :]
+        # The released ids become the next context; their text is ``piece``.
+        return piece, DetokState(window[state.read :], len(window) - state.read, piece)
+    return "", DetokState(window, state.read, released)
 
 
 def detok_flush(tok: Decoder, state: DetokState, skip_special_tokens: bool) -> str:
     """Whatever is pending, even an incomplete character (used when a request ends)."""
-    released = tok.decode(state.window[: state.read], skip_special_tokens)
+    released = state.released_text(tok, skip_special_tokens)
     full = tok.decode(state.window, skip_special_tokens)
     return full[len(released) :] if full.startswith(released) else ""
