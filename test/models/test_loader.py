@@ -119,12 +119,12 @@ def test_transformers4_rope_layout_matches_hf(tmp_path) -> None:
         ref = hf(torch.tensor([prompt])).logits[0]
     # Prefill through our model directly, with a throwaway KV pool.
     from specserve.cache.kv_pool import KVPool
-    from specserve.layers.attention import AttentionMetadata, TorchSDPABackend
+    from specserve.layers.attention import AttentionMetadata, TorchAttentionBackend
 
     pool = KVPool(
         cfg.num_hidden_layers, 10, 4, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu"
     )
-    backend = TorchSDPABackend(pool)
+    backend = TorchAttentionBackend(pool)
     meta = AttentionMetadata(torch.arange(40), torch.arange(40), [40], [40], [list(range(10))], 4)
     backend.prepare(meta)
     with torch.no_grad():

@@ -1,13 +1,14 @@
 """One engine step: schedule -> forward -> sample -> commit -> outputs.
 
-Single-threaded and synchronous; ``engine.py`` runs it on a background
-thread and talks to it only through ``add`` / ``abort`` / ``step``.
+Synchronous and not thread-safe: ``engine.py`` drives it (from the calling
+thread or a background one, one at a time) only through ``add``, ``abort``
+and ``step``.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -51,24 +52,15 @@ class _Cursor:
     hold: int = 0  # chars kept back while unfinished: a stop string may still cut them
 
 
-@dataclass
 class EngineCore:
-    config: EngineConfig
-    runner: ModelRunner
-    tokenizer: Decoder
-    scheduler: Scheduler = field(init=False)
-    sampler: Sampler = field(init=False)
-    output_processor: OutputProcessor = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.block_pool = BlockPool(self.runner.num_pages, self.runner.page_size)
-        self.scheduler = Scheduler(self.config.scheduler, self.block_pool)
-        self.sampler = Sampler(self.runner.device, self.config.random_seed)
+    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Decoder) -> None:
+        self.config = config
+        self.runner = runner
+        self.block_pool = BlockPool(runner.num_pages, runner.page_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_pool)
+        self.sampler = Sampler(runner.device, config.random_seed)
         self.output_processor = OutputProcessor(
-            self.tokenizer,
-            self.config.logprobs_mode,
-            self.runner.context_length,
-            self.config.kernel_backend,
+            tokenizer, config.logprobs_mode, runner.context_length, config.kernel_backend
         )
         self._cursors: dict[str, _Cursor] = {}
 

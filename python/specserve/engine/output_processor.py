@@ -84,7 +84,7 @@ class OutputProcessor:
                 and req.num_computed == req.seq_len
                 and req.sampling.max_new_tokens == 0
             ):
-                req.finish(FinishReason("length", matched=None))
+                req.finish(FinishReason("length"))
 
         scans: list[tuple[Req, RunCommit, _ScanResult]] = []
         for run in runs:

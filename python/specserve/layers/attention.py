@@ -54,7 +54,7 @@ def page_tensor(page_table: list[int], length: int, page_size: int) -> list[int]
 
 
 @dataclass
-class _SDPAPlan:
+class _TorchPlan:
     # Requests with one query token, batched: whole pages gathered, tails masked.
     single_rows: torch.Tensor | None  # [Bs] token rows (None: the batch is rows 0..Bs-1)
     single_pages: torch.Tensor | None  # [Bs, P] page ids, padded with page 0
@@ -64,8 +64,9 @@ class _SDPAPlan:
     multi: list[tuple[int, int, int, torch.Tensor | None]]
 
 
-class TorchSDPABackend(AttentionBackend):
-    """Gathers each request's pages and runs torch SDPA (any device).
+class TorchAttentionBackend(AttentionBackend):
+    """Paged attention in plain torch (any device): gathers each request's pages
+    and attends with grouped matmuls (one query per request) or SDPA (chunks).
 
     Pages are gathered whole (``index_select`` of contiguous page rows), which
     copies far faster than gathering token slots one by one.
@@ -101,7 +102,7 @@ class TorchSDPABackend(AttentionBackend):
             single_bias = bias.to(device, non_blocking=True)[:, None, None, :]
             if len(single_ids) != len(meta.q_lens):
                 single_rows = torch.tensor([starts[i] for i in single_ids], device=device)
-        meta.plan = _SDPAPlan(single_rows, single_pages, single_bias, multi)
+        meta.plan = _TorchPlan(single_rows, single_pages, single_bias, multi)
 
     def _gather(self, cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
         """``[..., P]`` page ids -> ``[..., P * page_size, Hkv, D]`` keys or values."""
@@ -113,7 +114,7 @@ class TorchSDPABackend(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         plan = meta.plan
-        assert isinstance(plan, _SDPAPlan), "prepare() must run before forward()"
+        assert isinstance(plan, _TorchPlan), "prepare() must run before forward()"
         ps = meta.page_size
         k_cache, v_cache = self.kv_pool.k[layer], self.kv_pool.v[layer]
         self.kv_pool.store(layer, meta.slot_mapping, k, v)
@@ -156,7 +157,7 @@ def _decode_attention(
     these sizes on the CPU. Query heads are grouped over their shared KV head."""
     b, h, d = q.shape
     hkv = k.shape[2]
-    qg = q.view(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
+    qg = q.reshape(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * d**-0.5  # [B, Hkv, G, L]
     probs = torch.softmax(scores + bias, dim=-1)
-    return torch.matmul(probs, v.transpose(1, 2)).view(b, h, d)  # [B, Hkv, G, D] -> [B, H, D]
+    return torch.matmul(probs, v.transpose(1, 2)).reshape(b, h, d)  # [B, Hkv, G, D] -> [B, H, D]

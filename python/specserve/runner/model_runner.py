@@ -12,7 +12,7 @@ import torch
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig, ModelConfig
 from specserve.engine.batch import ScheduledBatch
-from specserve.layers.attention import AttentionBackend, TorchSDPABackend
+from specserve.layers.attention import AttentionBackend, TorchAttentionBackend
 from specserve.models.loader import load_model
 from specserve.runner.input_builder import build_inputs
 
@@ -51,7 +51,7 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.attn_backend: AttentionBackend = TorchSDPABackend(self.kv_pool)
+        self.attn_backend: AttentionBackend = TorchAttentionBackend(self.kv_pool)
 
     @property
     def vocab_size(self) -> int:
