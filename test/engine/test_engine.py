@@ -501,3 +501,40 @@ def test_triton_kernel_backend_gives_the_same_logprobs() -> None:
         assert [t[0] for t in a] == pytest.approx([t[0] for t in b], abs=1e-5)
     for a, b in zip(got["output_token_ids_logprobs"], ref["output_token_ids_logprobs"]):
         assert [t[0] for t in a] == pytest.approx([t[0] for t in b], abs=1e-5)
+
+
+def test_a_failing_step_aborts_its_requests_and_the_engine_keeps_serving() -> None:
+    eng = make_engine()
+    try:
+        real = eng.runner.forward
+        calls = {"n": 0}
+
+        def flaky(batch):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("injected fault")
+            return real(batch)
+
+        eng.runner.forward = flaky
+        out = eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 5})
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "injected fault" in out["meta_info"]["finish_reason"]["message"]
+        wait_idle(eng)
+        again = eng.generate(
+            input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 5, "ignore_eos": True}
+        )
+        assert again["meta_info"]["completion_tokens"] == 5
+    finally:
+        eng.shutdown()
+
+
+def test_bfloat16_on_cpu_stays_close_to_float32() -> None:
+    eng = make_engine(dtype="bfloat16")
+    try:
+        p = random_prompts(1, [12], seed=26)[0]
+        o = eng.generate(input_ids=p, sampling_params=GREEDY, return_logprob=True)
+        ref = torch.log_softmax(hf_logits("qwen3", p + o["output_ids"]), dim=-1)
+        for j, (lp, tid, _) in enumerate(o["meta_info"]["output_token_logprobs"]):
+            assert lp == pytest.approx(float(ref[len(p) - 1 + j, tid]), abs=0.1)
+    finally:
+        eng.shutdown()

@@ -153,11 +153,11 @@ def _decode_attention(
     v: torch.Tensor,  # [B, L, Hkv, D]
     bias: torch.Tensor,  # [B, 1, 1, L]
 ) -> torch.Tensor:
-    """One query per request, written out: cheaper than SDPA with a mask at
-    these sizes on the CPU. Query heads are grouped over their shared KV head."""
+    """One query per request. The query heads sharing a KV head are laid out as
+    that head's query rows, so SDPA sees plain multi-head attention with G
+    queries and no GQA expansion; the additive bias masks each request's tail."""
     b, h, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * d**-0.5  # [B, Hkv, G, L]
-    probs = torch.softmax(scores + bias, dim=-1)
-    return torch.matmul(probs, v.transpose(1, 2)).reshape(b, h, d)  # [B, Hkv, G, D] -> [B, H, D]
+    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias)
+    return o.reshape(b, h, d)  # [B, Hkv, G, D] -> [B, H, D]

@@ -104,16 +104,13 @@ class RotaryEmbedding:
         table = torch.cat([cos, cos, -sin, sin], dim=-1).mul_(self.scale)
         self._cos_sin = table.to(device)
 
-    def __call__(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rotates each ``x [T, heads, D]`` at ``positions [T]``."""
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotates ``x [T, heads, D]`` (q and k heads alike) at ``positions [T]``."""
         assert self._cos_sin is not None
         if self._cos_sin.device != positions.device:
             self._cos_sin = self._cos_sin.to(positions.device)
-        cos_sin = self._cos_sin[positions].unsqueeze(1).to(xs[0].dtype)  # [T, 1, 2 * rot_dim]
+        cos_sin = self._cos_sin[positions].unsqueeze(1).to(x.dtype)  # [T, 1, 2 * rot_dim]
         cos, sin = cos_sin.chunk(2, dim=-1)
-        return tuple(self._rotate(x, cos, sin) for x in xs)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = self.rot_dim // 2
         if self.rot_dim == x.shape[-1]:
             return x * cos + x.roll(half, dims=-1) * sin

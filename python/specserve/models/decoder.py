@@ -14,7 +14,7 @@ from specserve.config import ModelConfig
 from specserve.layers.activation import gated_act, get_activation
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.layers.linear import MergedLinear
-from specserve.layers.norm import RMSNorm
+from specserve.layers.norm import RMSNorm, rms_norm
 from specserve.layers.rotary import RotaryEmbedding
 
 
@@ -33,8 +33,26 @@ class DecoderAttention(nn.Module):
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.eps = cfg.rms_norm_eps
         self.rotary = rotary
-        self.split = self.qkv_proj.out_sizes
+        # q_norm and k_norm weights side by side, one row per q then k head, so
+        # both norms (and then RoPE) run as one op over the q|k heads. Derived
+        # from the loaded weights by ``post_load``.
+        self.register_buffer(
+            "qk_norm_weight",
+            torch.empty(self.num_heads + self.num_kv_heads, self.head_dim) if cfg.qk_norm else None,
+            persistent=False,
+        )
+
+    def post_load(self) -> None:
+        if self.q_norm is not None:
+            w = torch.cat(
+                [
+                    self.q_norm.weight.expand(self.num_heads, -1),
+                    self.k_norm.weight.expand(self.num_kv_heads, -1),
+                ]
+            )
+            self.qk_norm_weight = w.contiguous()
 
     def forward(
         self, x: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend
@@ -43,13 +61,13 @@ class DecoderAttention(nn.Module):
         # F.linear on the weights directly: module calls cost more than the
         # matmuls of a small model at decode batch sizes.
         qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        q, k, v = qkv.split(self.split, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
-        q, k = self.rotary(meta.positions, q, k)
+        heads = qkv.view(t, -1, self.head_dim)  # [T, H + 2 * Hkv, D]
+        n_qk = self.num_heads + self.num_kv_heads
+        qk, v = heads[:, :n_qk], heads[:, n_qk:]
+        if self.qk_norm_weight is not None:
+            qk = rms_norm(qk, self.qk_norm_weight, self.eps)
+        qk = self.rotary(meta.positions, qk)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = backend.forward(self.layer_id, q, k, v, meta)  # [T, H, D]
         return F.linear(o.reshape(t, -1), self.o_proj.weight, self.o_proj.bias)
 
@@ -126,6 +144,11 @@ class DecoderForCausalLM(nn.Module):
             if i in capture_layer_ids:
                 captured.append(h)
         return self.model.norm.forward(h), captured
+
+    def post_load(self) -> None:
+        """Rebuilds state derived from the weights; the loader calls it."""
+        for layer in self.model.layers:
+            layer.self_attn.post_load()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, d]`` -> float32 logits ``[R, V]``."""

@@ -59,6 +59,7 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, checkpoint_files(model_path))
+    model.post_load()
     return model.eval()
 
 
