@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from models_zoo import hf_greedy, hf_logits, model_path, random_prompts
-from specserve import Engine
+from specserve import Engine, SamplingParams
 
 TOL = 1e-4
 

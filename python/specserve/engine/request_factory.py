@@ -138,13 +138,14 @@ class RequestFactory:
                 f"logprob_start_len must be -1 or in [0, {len(ids)}) (the prompt length), "
                 f"got {logprob_start_len!r}"
             )
+        max_top = min(lim.max_top_logprobs, vocab)
         if (
             not isinstance(top_logprobs_num, int)
             or isinstance(top_logprobs_num, bool)
-            or not 0 <= top_logprobs_num <= lim.max_top_logprobs
+            or not 0 <= top_logprobs_num <= max_top
         ):
             raise ValueError(
-                f"top_logprobs_num must be in [0, {lim.max_top_logprobs}], got {top_logprobs_num!r}"
+                f"top_logprobs_num must be in [0, {max_top}], got {top_logprobs_num!r}"
             )
         tid = None
         if token_ids_logprob is not None:
