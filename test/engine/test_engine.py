@@ -351,7 +351,7 @@ def test_eos_min_new_tokens_and_ignore_eos(engine: Engine) -> None:
 def test_text_prompts_and_text_in_logprobs(engine: Engine) -> None:
     out = engine.generate(
         ["def add(a, b):", "The quick brown fox"],
-        {"temperature": 0, "max_new_tokens": 5},
+        SamplingParams(temperature=0, max_new_tokens=5),
         return_logprob=True,
         return_text_in_logprobs=True,
         top_logprobs_num=2,
