@@ -13,6 +13,10 @@ from specserve.server.args import build_parser, engine_kwargs
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        from specserve.server.launch import serve
+
+        return serve(args)
     try:
         if args.command == "make-tiny-model":
             return _make_tiny_model(args)

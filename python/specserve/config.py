@@ -193,6 +193,7 @@ class EngineConfig:
     max_top_logprobs: int = 20
     # "auto" picks Triton kernels for CUDA tensors and torch references elsewhere.
     kernel_backend: str = "auto"
+    grammar_backend: str = "xgrammar"  # or "none"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -206,6 +207,10 @@ class EngineConfig:
         if self.kernel_backend not in ("auto", "triton", "torch"):
             raise ValueError(
                 f"kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}"
+            )
+        if self.grammar_backend not in ("xgrammar", "none"):
+            raise ValueError(
+                f"grammar_backend must be xgrammar or none, got {self.grammar_backend!r}"
             )
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
@@ -235,3 +240,25 @@ class EngineConfig:
             scheduler=SchedulerConfig(**sub[SchedulerConfig]),
             **top,
         )
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the model path
+    log_level: str = "info"
+    # Seconds between status lines (running/queued, KV usage, throughput); 0: off.
+    stats_interval: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.stats_interval < 0:
+            raise ValueError(f"stats_interval must be >= 0, got {self.stats_interval}")

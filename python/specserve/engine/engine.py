@@ -8,6 +8,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -210,13 +211,59 @@ class Engine:
                 )
                 self._thread.start()
 
-    def _loop(self) -> None:
-        while not self._stopping.is_set():
+    def run_loop(self, stop: threading.Event, log_interval: float = 0.0) -> None:
+        """Drives the engine from the calling thread until ``stop`` is set.
+
+        A server calls this on its main thread (torch's CPU thread pool is
+        fastest there) and serves HTTP from another; with ``log_interval`` > 0
+        a status line is logged that often while there is traffic.
+        """
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError("the engine is already being driven")
+            self._thread = threading.current_thread()
+        self._loop(stop, log_interval)
+
+    def _loop(self, stop: threading.Event | None = None, log_interval: float = 0.0) -> None:
+        last_log, last_tokens = time.monotonic(), self.core.stats.generated_tokens
+        while not self._stopping.is_set() and not (stop is not None and stop.is_set()):
+            if log_interval > 0 and time.monotonic() - last_log >= log_interval:
+                last_log, last_tokens = self._log_status(last_log, last_tokens)
             if not self.core.has_work() and self._inbox.empty():
                 self._wakeup.wait(0.05)
                 self._wakeup.clear()
                 continue
             self._pump()
+
+    def _log_status(self, since: float, tokens_then: int) -> tuple[float, int]:
+        now, st = time.monotonic(), self.stats()
+        tokens = st["generated_tokens"]
+        if tokens != tokens_then or st["running"] or st["queued"]:
+            logger.info(
+                "running %d, queued %d, KV usage %.1f%%, generation %.1f tok/s",
+                st["running"],
+                st["queued"],
+                100 * st["kv_usage"],
+                (tokens - tokens_then) / max(now - since, 1e-9),
+            )
+        return now, tokens
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of load and counters (safe to call from any thread)."""
+        sched = self.core.scheduler
+        total, free = self.total_pages(), self.free_pages()
+        st = self.core.stats
+        return {
+            "running": len(sched.running),
+            "queued": len(sched.waiting) + self._inbox.qsize(),
+            "total_pages": total,
+            "free_pages": free,
+            "kv_usage": (total - free) / total,
+            "prompt_tokens": st.prompt_tokens,
+            "generated_tokens": st.generated_tokens,
+            "preemptions": sched.num_preemptions,
+            "finished": dict(st.finished),
+        }
 
     def _handle(self, cmd: tuple[str, Any]) -> None:
         kind, arg = cmd
@@ -256,7 +303,7 @@ class Engine:
             thread = self._thread
         self._stopping.set()
         self._wakeup.set()
-        if thread is not None:
+        if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=60)
         with self._core_lock:
             self._pump_commands_only()

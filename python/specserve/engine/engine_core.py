@@ -8,7 +8,7 @@ and ``step``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,15 @@ class RequestOutput:
 
 
 @dataclass
+class EngineStats:
+    """Running totals (read by metrics from other threads; ints only)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # by finish type
+
+
+@dataclass
 class _Cursor:
     """How much of a request has been reported already."""
 
@@ -63,6 +72,7 @@ class EngineCore:
             tokenizer, config.logprobs_mode, runner.context_length, config.kernel_backend
         )
         self._cursors: dict[str, _Cursor] = {}
+        self.stats = EngineStats()
 
     # ---- requests -------------------------------------------------------
 
@@ -75,6 +85,7 @@ class EngineCore:
             req.penalty = PenaltyState.create(req.prompt_ids, self.runner.vocab_size, device)
         hold = max((len(s) for s in req.sampling.stop), default=1) - 1
         self._cursors[req.rid] = _Cursor(hold=hold)
+        self.stats.prompt_tokens += req.prompt_len
         self.scheduler.add(req)
 
     def abort(self, rid: str, message: str | None = None) -> RequestOutput | None:
@@ -163,9 +174,12 @@ class EngineCore:
             prompt_tokens=req.prompt_len,
             completion_tokens=len(req.output_ids),
         )
+        self.stats.generated_tokens += len(out.token_ids)
         cur.tokens = len(req.output_ids)
         cur.text = visible
         cur.input_logprobs = len(req.input_logprobs)
         if finished:
             del self._cursors[req.rid]
+            kind = req.finish_reason.type if req.finish_reason else "unknown"
+            self.stats.finished[kind] = self.stats.finished.get(kind, 0) + 1
         return out

@@ -6,7 +6,14 @@ import argparse
 import dataclasses
 from typing import Any
 
-from specserve.config import LOGPROBS_MODES, CacheConfig, EngineConfig, SchedulerConfig
+from specserve.config import (
+    LOG_LEVELS,
+    LOGPROBS_MODES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +57,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: Triton kernels on CUDA tensors, torch references elsewhere",
     )
+    g.add_argument(
+        "--grammar-backend",
+        choices=("xgrammar", "none"),
+        default="xgrammar",
+        help="backend for JSON-schema / regex / EBNF constrained output",
+    )
     c = parser.add_argument_group("KV cache")
     c.add_argument(
         "--page-size", type=int, default=CacheConfig.page_size, help="tokens per KV page"
@@ -71,6 +84,34 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=ServerConfig.host, help="address to bind")
+    g.add_argument("--port", type=int, default=ServerConfig.port, help="port to bind")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients use (default: the model path)",
+    )
+    g.add_argument("--log-level", choices=LOG_LEVELS, default=ServerConfig.log_level)
+    g.add_argument(
+        "--stats-interval",
+        type=float,
+        default=ServerConfig.stats_interval,
+        help="seconds between status log lines while serving (0: off)",
+    )
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    return ServerConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Engine keyword arguments from parsed flags (unset optional flags dropped)."""
     names = {
@@ -88,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="A small LLM serving engine built around speculative decoding.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP APIs")
+    add_engine_args(serve)
+    add_server_args(serve)
 
     gen = sub.add_parser("generate", help="offline generation from the command line")
     add_engine_args(gen)

@@ -1,0 +1,132 @@
+"""The FastAPI application: routes, authentication, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from specserve import __version__
+from specserve.config import ServerConfig
+from specserve.engine.engine import Engine
+from specserve.protocol.openai import DetokenizeRequest, TokenizeRequest
+from specserve.server import native, openai_chat, openai_completions
+from specserve.server.context import ServerContext
+from specserve.server.errors import APIError, error_body, install_error_handlers
+
+OPEN_PATHS = ("/health",)  # answered without an API key (liveness probes)
+
+
+def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    app = FastAPI(title="specserve", version=__version__)
+    ctx = ServerContext(engine, config, config.served_model_name or engine.config.model_path)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    if config.api_key:
+        _install_auth(app, config.api_key)
+    for module in (openai_completions, openai_chat, native):
+        app.include_router(module.router)
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/health_generate")
+    async def health_generate(raw: Request) -> Response:
+        """Healthy only if the engine generates a token within the deadline."""
+        greqs, _ = await ctx.build(input_ids=[[0]], sampling_params={"max_new_tokens": 1})
+        try:
+            await asyncio.wait_for(ctx.collect(greqs, raw), timeout=60)
+        except asyncio.TimeoutError:
+            return JSONResponse(error_body("generation timed out", "server_error", None, 503), 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "specserve",
+            "root": engine.config.model_path,
+            "max_model_len": engine.requests.limits.context_length,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        server = dataclasses.asdict(config)
+        server["api_key"] = None if config.api_key is None else "***"
+        lim = engine.requests.limits
+        return {
+            "version": __version__,
+            "served_model_name": ctx.model_name,
+            "engine_args": dataclasses.asdict(engine.config),
+            "server_args": server,
+            "context_length": lim.context_length,
+            "max_total_num_tokens": lim.capacity_tokens,
+            "stats": engine.stats(),
+            "speculative": None,
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        tok = engine.tokenizer
+        if isinstance(body.prompt, str):
+            ids = await asyncio.to_thread(tok.encode, body.prompt, body.add_special_tokens)
+        else:
+            text = await asyncio.to_thread(tok.apply_chat_template, body.prompt)
+            ids = await asyncio.to_thread(tok.encode, text, False)
+        return {
+            "tokens": ids,
+            "count": len(ids),
+            "max_model_len": engine.requests.limits.context_length,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        ctx.check_model(body.model)
+        vocab = engine.requests.limits.vocab_size
+        if not all(0 <= t < vocab for t in body.tokens):
+            raise APIError(f"tokens: ids must be in [0, {vocab})", "tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        hf = engine.tokenizer.hf
+        return {
+            "eos_token": hf.eos_token,
+            "eos_token_id": hf.eos_token_id,
+            "eos_token_ids": sorted(engine.eos_ids),
+            "bos_token": hf.bos_token,
+            "bos_token_id": hf.bos_token_id,
+            "pad_token": hf.pad_token,
+            "pad_token_id": hf.pad_token_id,
+            "chat_template": hf.chat_template,
+            "model_max_length": engine.requests.limits.context_length,
+            "vocab_size": len(engine.tokenizer),
+            "tokenizer_class": type(hf).__name__,
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _install_auth(app: FastAPI, api_key: str) -> None:
+    expected = f"Bearer {api_key}"
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next: Any) -> Response:
+        if request.url.path in OPEN_PATHS or request.headers.get("authorization") == expected:
+            return await call_next(request)
+        body = error_body("missing or invalid API key", "authentication_error", None, 401)
+        return JSONResponse(body, 401)

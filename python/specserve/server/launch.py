@@ -1,0 +1,66 @@
+"""Starts the HTTP server: uvicorn on a helper thread, the engine on the main one.
+
+The engine loop runs on the main thread because torch's CPU thread pool
+serves the main thread markedly faster than any other; HTTP I/O is light
+and lives happily on its own thread and event loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+
+logger = logging.getLogger("specserve.server")
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specserve.engine.engine import Engine
+    from specserve.server.app import create_app
+    from specserve.server.args import engine_kwargs, server_config
+
+    try:
+        cfg = server_config(args)
+    except ValueError as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("specserve").setLevel(cfg.log_level.upper())
+    try:
+        engine = Engine(model_path=args.model_path, **engine_kwargs(args))
+    except (ValueError, OSError) as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+    app = create_app(engine, cfg)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False)
+    )
+    http = threading.Thread(target=server.run, name="specserve-http", daemon=True)
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    http.start()
+    while not server.started:  # port taken, bad host, ...: uvicorn's thread ends
+        if not http.is_alive():
+            engine.shutdown()
+            print(f"specserve: error: could not serve on {cfg.host}:{cfg.port}", file=sys.stderr)
+            return 1
+        time.sleep(0.05)
+    logger.info("serving %s on http://%s:%d", app.state.ctx.model_name, cfg.host, cfg.port)
+    threading.Thread(target=lambda: (http.join(), stop.set()), daemon=True).start()
+    try:
+        engine.run_loop(stop, cfg.stats_interval)
+    finally:
+        logger.info("shutting down")
+        engine.shutdown()  # in-flight requests end with finish_reason "abort"
+        server.should_exit = True
+        http.join(timeout=30)
+    return 0

@@ -1,0 +1,58 @@
+"""``POST /generate``: the native API (SGLang's request and response shapes).
+
+Streaming follows SGLang: every event carries the whole result so far
+(cumulative ``text``, ``output_ids`` and logprobs), so the last event equals
+the non-streamed response.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from specserve.engine.request_factory import GenerateRequest
+from specserve.engine.result import ResultCollector
+from specserve.protocol.native import GenerateReqInput
+from specserve.server.context import GRAMMAR_FIELDS, ServerContext, reject_grammar, sse
+
+router = APIRouter()
+
+
+@router.post("/generate")
+async def generate(body: GenerateReqInput, raw: Request) -> Any:
+    ctx: ServerContext = raw.app.state.ctx
+    sps = body.sampling_params
+    for sp in sps if isinstance(sps, list) else [sps or {}]:
+        reject_grammar({k: sp.get(k) for k in GRAMMAR_FIELDS})
+    greqs, batched = await ctx.build(
+        prompt=body.text,
+        input_ids=body.input_ids,
+        sampling_params=sps,
+        return_logprob=body.return_logprob,
+        logprob_start_len=body.logprob_start_len,
+        top_logprobs_num=body.top_logprobs_num,
+        token_ids_logprob=body.token_ids_logprob,
+        return_text_in_logprobs=body.return_text_in_logprobs,
+        rid=body.rid,
+    )
+    if body.stream:
+        return StreamingResponse(_stream(ctx, greqs, batched), media_type="text/event-stream")
+    outs = await ctx.collect(greqs, raw)
+    results = [ctx.engine.format(g, o) for g, o in zip(greqs, outs)]
+    return results if batched else results[0]
+
+
+async def _stream(
+    ctx: ServerContext, greqs: list[GenerateRequest], batched: bool
+) -> AsyncIterator[str]:
+    cols = [ResultCollector() for _ in greqs]
+    async for i, out in ctx.stream_all(greqs):
+        cols[i].add(out)
+        result = ctx.engine.format(greqs[i], cols[i].as_output(greqs[i].rid))
+        if batched:
+            result["index"] = i
+        yield sse(result)
+    yield sse("[DONE]")

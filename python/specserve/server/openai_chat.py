@@ -1,0 +1,163 @@
+"""``POST /v1/chat/completions``: chat template, logprobs, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from specserve.engine.request_factory import GenerateRequest
+from specserve.protocol.openai import ChatCompletionRequest
+from specserve.sampling.logprobs import TokenLogprob
+from specserve.server.context import ServerContext, reject_grammar, sse
+from specserve.server.errors import APIError
+from specserve.server.openai_common import finish_name, sampling_dict, seeded, usage
+
+router = APIRouter()
+
+RENAMES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "top_logprobs_num": "top_logprobs",
+    "input_ids": "messages",
+    "prompt": "messages",
+}
+MAX_TOP_LOGPROBS = 20  # OpenAI's own cap for chat
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
+    ctx: ServerContext = raw.app.state.ctx
+    ctx.check_model(body.model)
+    fields = body.model_dump()
+    if (body.response_format or {}).get("type") == "text":
+        fields["response_format"] = None
+    reject_grammar(fields)
+    top = body.top_logprobs
+    if top is not None:
+        cap = min(MAX_TOP_LOGPROBS, ctx.engine.config.max_top_logprobs)
+        if not body.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", "top_logprobs")
+        if not 0 <= top <= cap:
+            raise APIError(f"top_logprobs must be in [0, {cap}], got {top}", "top_logprobs")
+    if body.n < 1:
+        raise APIError(f"n must be >= 1, got {body.n}", "n")
+    ids = await _apply_template(ctx, body)
+    limit = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    if limit is None:  # as much as the context and the KV pool leave
+        lim = ctx.engine.requests.limits
+        limit = max(0, min(lim.context_length, lim.capacity_tokens) - len(ids))
+    sp = sampling_dict(body, limit)
+    greqs, _ = await ctx.build(
+        RENAMES,
+        input_ids=[ids] * body.n,
+        sampling_params=[seeded(sp, j) for j in range(body.n)],
+        return_logprob=body.logprobs,
+        top_logprobs_num=top or 0,
+    )
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+    }
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _stream(ctx, greqs, head, body.logprobs, include_usage), media_type="text/event-stream"
+        )
+    outs = await ctx.collect(greqs, raw)
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": o.text},
+            "logprobs": {"content": _items(ctx, o.output_logprobs)} if body.logprobs else None,
+            "finish_reason": finish_name(o.finish_reason),
+        }
+        for i, o in enumerate(outs)
+    ]
+    return {
+        **head,
+        "object": "chat.completion",
+        "choices": choices,
+        "usage": usage(len(ids), sum(o.completion_tokens for o in outs)),
+    }
+
+
+async def _apply_template(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
+    messages = []
+    for m in body.messages:
+        msg = m.model_dump(exclude_none=True)
+        if isinstance(msg.get("content"), list):  # content parts: keep the text ones
+            msg["content"] = "".join(
+                p.get("text", "") for p in msg["content"] if p.get("type") == "text"
+            )
+        messages.append(msg)
+    tok = ctx.engine.tokenizer
+
+    def render() -> list[int]:
+        text = tok.apply_chat_template(
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            **(body.chat_template_kwargs or {}),
+        )
+        # The template writes its own special tokens; do not add a second BOS.
+        return tok.encode(text, add_special_tokens=False)
+
+    try:
+        return await asyncio.to_thread(render)
+    except ValueError as e:
+        raise APIError(str(e), "messages") from None
+    except Exception as e:  # template errors (jinja) are the client's messages' fault
+        raise APIError(f"messages: the chat template failed: {e}", "messages") from None
+
+
+def _items(ctx: ServerContext, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+    tok = ctx.engine.tokenizer
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tok.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return [
+        {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for lp, t in e.top or ()]}
+        for e in entries
+        if e.logprob is not None
+    ]
+
+
+async def _stream(
+    ctx: ServerContext,
+    greqs: list[GenerateRequest],
+    head: dict[str, Any],
+    with_logprobs: bool,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    head = {**head, "object": "chat.completion.chunk"}
+
+    def chunk(
+        index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None
+    ) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return sse({**head, "choices": [choice]})
+
+    for i in range(len(greqs)):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    completion_tokens = 0
+    async for i, out in ctx.stream_all(greqs):
+        completion_tokens += len(out.token_ids)
+        if out.text or out.token_ids:
+            lps = {"content": _items(ctx, out.output_logprobs)} if with_logprobs else None
+            yield chunk(i, {"content": out.text}, lps)
+        if out.finished:
+            yield chunk(i, {}, None, finish_name(out.finish_reason))
+    if include_usage:
+        prompt_tokens = len(greqs[0].input_ids)
+        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    yield sse("[DONE]")

@@ -1,0 +1,161 @@
+"""``POST /v1/completions``: legacy completions with logprobs and echo."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from specserve.engine.engine_core import RequestOutput
+from specserve.engine.request_factory import GenerateRequest
+from specserve.protocol.openai import CompletionRequest
+from specserve.sampling.logprobs import TokenLogprob
+from specserve.server.context import ServerContext, reject_grammar, sse
+from specserve.server.errors import APIError
+from specserve.server.openai_common import finish_name, sampling_dict, seeded, usage
+
+router = APIRouter()
+
+RENAMES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "top_logprobs_num": "logprobs",
+    "input_ids": "prompt",
+}
+
+
+@dataclass
+class _Choice:
+    """One returned choice: its request, and what it has emitted so far."""
+
+    index: int
+    greq: GenerateRequest
+    prompt_text: str
+    echo: bool
+    offset: int = 0  # characters of returned text so far (for text_offset)
+    started: bool = False
+    entries: list[TokenLogprob] = field(default_factory=list)
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, raw: Request) -> Any:
+    ctx: ServerContext = raw.app.state.ctx
+    ctx.check_model(body.model)
+    reject_grammar(body.model_dump())
+    if body.suffix is not None:
+        raise APIError("suffix: not supported", "suffix")
+    max_top = ctx.engine.config.max_top_logprobs
+    if body.logprobs is not None and not 0 <= body.logprobs <= max_top:
+        raise APIError(f"logprobs must be in [0, {max_top}], got {body.logprobs}", "logprobs")
+    if body.n < 1:
+        raise APIError(f"n must be >= 1, got {body.n}", "n")
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]  # type: ignore[list-item]
+    if not prompt:
+        raise APIError("prompt: must not be empty", "prompt")
+    texts = prompt if isinstance(prompt[0], str) else None
+    sp = sampling_dict(body, 16 if body.max_tokens is None else body.max_tokens)
+    with_logprobs = body.logprobs is not None
+    per_choice = [(p, j) for p in prompt for j in range(body.n)]
+    greqs, _ = await ctx.build(
+        RENAMES,
+        prompt=[p for p, _ in per_choice] if texts is not None else None,
+        input_ids=None if texts is not None else [list(p) for p, _ in per_choice],
+        sampling_params=[seeded(sp, j) for _, j in per_choice],
+        return_logprob=with_logprobs,
+        logprob_start_len=0 if body.echo and with_logprobs else -1,
+        top_logprobs_num=body.logprobs or 0,
+    )
+    tok = ctx.engine.tokenizer
+    choices = [
+        _Choice(i, g, p if isinstance(p, str) else tok.decode(g.input_ids, False), body.echo)
+        for i, (g, (p, _)) in enumerate(zip(greqs, per_choice))
+    ]
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    head = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
+    prompt_tokens = sum(len(g.input_ids) for g in greqs[:: body.n])
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _stream(ctx, choices, head, with_logprobs, include_usage, prompt_tokens),
+            media_type="text/event-stream",
+        )
+    outs = await ctx.collect(greqs, raw)
+    return {
+        **head,
+        "choices": [_render(ctx, c, o, with_logprobs, final=True) for c, o in zip(choices, outs)],
+        "usage": usage(prompt_tokens, sum(o.completion_tokens for o in outs)),
+    }
+
+
+def _render(
+    ctx: ServerContext, c: _Choice, out: RequestOutput, with_logprobs: bool, final: bool
+) -> dict[str, Any]:
+    """The choice object for ``out`` (a whole result, or one streamed delta)."""
+    text = out.text
+    entries = list(out.output_logprobs)
+    if c.echo and not c.started:
+        text = c.prompt_text + text
+    if c.echo:
+        entries = list(out.input_logprobs) + entries
+    c.started = True
+    logprobs = _logprobs(ctx, c, entries) if with_logprobs else None
+    return {
+        "index": c.index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_name(out.finish_reason) if final else None,
+    }
+
+
+def _logprobs(ctx: ServerContext, c: _Choice, entries: list[TokenLogprob]) -> dict[str, Any]:
+    tok = ctx.engine.tokenizer
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for e in entries:
+        text = tok.token_text(e.token_id)
+        tokens.append(text)
+        token_lps.append(e.logprob)
+        offsets.append(c.offset)
+        c.offset += len(text)
+        if e.logprob is None:
+            tops.append(None)
+            continue
+        top: dict[str, float] = {}
+        for lp, tid in e.top or ():
+            top.setdefault(tok.token_text(tid), lp)
+        top.setdefault(text, e.logprob)  # the sampled token is always listed
+        tops.append(top)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+async def _stream(
+    ctx: ServerContext,
+    choices: list[_Choice],
+    head: dict[str, Any],
+    with_logprobs: bool,
+    include_usage: bool,
+    prompt_tokens: int,
+) -> AsyncIterator[str]:
+    completion_tokens = 0
+    async for i, out in ctx.stream_all([c.greq for c in choices]):
+        c = choices[i]
+        completion_tokens += len(out.token_ids)
+        echo_pending = c.echo and (out.input_logprobs or not c.started)
+        if out.text or out.token_ids or out.finished or echo_pending:
+            choice = _render(ctx, c, out, with_logprobs, final=out.finished)
+            yield sse({**head, "choices": [choice]})
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    yield sse("[DONE]")
