@@ -46,3 +46,10 @@ def test_incremental_detok_equals_full_decode_and_never_splits_a_char(
 def test_decode_equals_transformers_decode(tok: Tokenizer, skip: bool) -> None:
     ids = tok.encode("<|im_start|>user\nnaïve 😀 text<|im_end|>")
     assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_token_bytes_rebuild_text_even_across_split_characters(tok: Tokenizer) -> None:
+    text = "naïve 😀 日本 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tok.token_text(i) for i in ids)  # some tokens hold partial characters
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")

@@ -87,6 +87,13 @@ class Engine:
         self._ensure_loop()
         self._enqueue(greq, sink)
 
+    def check_new_rids(self, greqs: list[GenerateRequest]) -> None:
+        """Raises ValueError if a request id is already in flight."""
+        with self._lock:
+            taken = [g.rid for g in greqs if g.rid in self._sinks]
+        if taken:
+            raise ValueError(f"rid: {taken[0]!r} is already in use")
+
     def _enqueue(self, greq: GenerateRequest, sink: Sink) -> None:
         with self._lock:
             if self._stopped:
@@ -173,6 +180,7 @@ class Engine:
                 yield out
         finally:
             if not finished:
+                logger.debug("request %s: its consumer stopped early; aborting it", greq.rid)
                 self.abort(greq.rid)
 
     # ---- driving the core ------------------------------------------------------
@@ -211,17 +219,22 @@ class Engine:
                 )
                 self._thread.start()
 
+    def claim_loop(self) -> None:
+        """Makes the calling thread the one that will drive the engine (through
+        ``run_loop``), so that no background thread is started meanwhile."""
+        with self._lock:
+            if self._thread is not None and self._thread is not threading.current_thread():
+                raise RuntimeError("the engine is already being driven by another thread")
+            self._thread = threading.current_thread()
+
     def run_loop(self, stop: threading.Event, log_interval: float = 0.0) -> None:
         """Drives the engine from the calling thread until ``stop`` is set.
 
-        A server calls this on its main thread (torch's CPU thread pool is
-        fastest there) and serves HTTP from another; with ``log_interval`` > 0
-        a status line is logged that often while there is traffic.
+        A server claims the loop on its main thread (torch's CPU thread pool is
+        fastest there) before it starts serving HTTP from another thread; with
+        ``log_interval`` > 0 a status line is logged that often under traffic.
         """
-        with self._lock:
-            if self._thread is not None:
-                raise RuntimeError("the engine is already being driven")
-            self._thread = threading.current_thread()
+        self.claim_loop()
         self._loop(stop, log_interval)
 
     def _loop(self, stop: threading.Event | None = None, log_interval: float = 0.0) -> None:
@@ -255,7 +268,7 @@ class Engine:
         st = self.core.stats
         return {
             "running": len(sched.running),
-            "queued": len(sched.waiting) + self._inbox.qsize(),
+            "queued": len(sched.waiting),
             "total_pages": total,
             "free_pages": free,
             "kv_usage": (total - free) / total,

@@ -59,7 +59,7 @@ class RequestFactory:
     ) -> tuple[list[GenerateRequest], bool]:
         """The requests, and whether the call was a batch (lists in, list out)."""
         if (prompt is None) == (input_ids is None):
-            raise ValueError("exactly one of prompt (text) and input_ids must be given")
+            raise ValueError("prompt: give exactly one of a text prompt and input_ids")
         if prompt is not None:
             batched = not isinstance(prompt, str)
             texts = [prompt] if not batched else list(prompt)
@@ -93,6 +93,9 @@ class RequestFactory:
         tops = spread(top_logprobs_num, "top_logprobs_num", lambda v: isinstance(v, int))
         tids = spread(token_ids_logprob, "token_ids_logprob", lambda v: v is None or _is_id_list(v))
         rids = spread(rid, "rid", lambda v: v is None or isinstance(v, str))
+        named = [r for r in rids if r is not None]
+        if len(set(named)) != len(named):
+            raise ValueError("rid: request ids must be unique")
         reqs = [
             self._one(
                 prompts[i],
@@ -155,10 +158,13 @@ class RequestFactory:
                 raise ValueError(f"token_ids_logprob: expected a list of token ids in [0, {vocab})")
             tid = tuple(token_ids_logprob) or None
         total = len(ids) + sp.max_new_tokens
-        for limit, what in (
+        limits = (
             (lim.context_length, "the context length"),
             (lim.capacity_tokens, "the KV cache capacity"),
-        ):
+        )
+        for limit, what in limits:
+            if len(ids) > limit:
+                raise ValueError(f"prompt: {len(ids)} tokens do not fit {what} ({limit} tokens)")
             if total > limit:
                 raise ValueError(
                     f"max_new_tokens: the prompt ({len(ids)} tokens) plus max_new_tokens "

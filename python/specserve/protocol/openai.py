@@ -40,6 +40,7 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     # Grammar constraints (served once a grammar backend is available).
     response_format: dict[str, Any] | None = None
+    json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
     user: str | None = None

@@ -81,7 +81,10 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         if isinstance(body.prompt, str):
             ids = await asyncio.to_thread(tok.encode, body.prompt, body.add_special_tokens)
         else:
-            text = await asyncio.to_thread(tok.apply_chat_template, body.prompt)
+            try:
+                text = await asyncio.to_thread(tok.apply_chat_template, body.prompt)
+            except Exception as e:  # no template, or the template rejects the messages
+                raise APIError(f"prompt: cannot apply the chat template: {e}", "prompt") from None
             ids = await asyncio.to_thread(tok.encode, text, False)
         return {
             "tokens": ids,

@@ -86,9 +86,11 @@ class ServerContext:
     ) -> tuple[list[GenerateRequest], bool]:
         """Tokenizes and validates off the event loop; errors become 400s."""
         try:
-            return await asyncio.to_thread(self.engine.requests.build, **kwargs)
+            greqs, batched = await asyncio.to_thread(self.engine.requests.build, **kwargs)
+            self.engine.check_new_rids(greqs)
         except ValueError as e:
             raise from_value_error(e, renames) from None
+        return greqs, batched
 
     async def stream(self, greq: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """The engine's deltas for one request, timed into the latency histograms."""
@@ -146,11 +148,12 @@ class ServerContext:
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
             if work not in done:
-                work.cancel()  # cancelling the streams aborts the requests
                 raise APIError("client disconnected", status=499)
             return work.result()
         finally:
             watch.cancel()
+            if not work.done():
+                work.cancel()  # disconnect or our own cancellation: abort the requests
 
 
 def _reader(stats: Callable[[], dict[str, Any]], key: str) -> Callable[[], Any]:

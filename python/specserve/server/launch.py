@@ -44,6 +44,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     http = threading.Thread(target=server.run, name="specserve-http", daemon=True)
 
+    engine.claim_loop()  # before the first request can arrive
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -28,6 +28,7 @@ async def generate(body: GenerateReqInput, raw: Request) -> Any:
     for sp in sps if isinstance(sps, list) else [sps or {}]:
         reject_grammar({k: sp.get(k) for k in GRAMMAR_FIELDS})
     greqs, batched = await ctx.build(
+        {"prompt": "text"},
         prompt=body.text,
         input_ids=body.input_ids,
         sampling_params=sps,

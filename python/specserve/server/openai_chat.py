@@ -123,7 +123,7 @@ def _items(ctx: ServerContext, entries: list[TokenLogprob]) -> list[dict[str, An
 
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         text = tok.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": logprob, "bytes": list(tok.token_bytes(token_id))}
 
     return [
         {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for lp, t in e.top or ()]}

@@ -25,6 +25,8 @@ class Tokenizer:
         backend = getattr(self.hf, "_tokenizer", None)
         plain = not getattr(self.hf, "clean_up_tokenization_spaces", False)
         self._fast_decode = backend.decode if backend is not None and plain else None
+        self._byte_level = backend is not None and '"ByteLevel"' in backend.to_str()
+        self._unicode_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
 
     def _eos_ids(self, path: str) -> set[int]:
         ids: set[int] = set()
@@ -57,6 +59,17 @@ class Tokenizer:
         """The text of one token on its own (logprob entries)."""
         return self.hf.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token, also when it holds part of a character."""
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and all(c in self._unicode_to_byte for c in piece):
+            return bytes(self._unicode_to_byte[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
+        return piece.replace("\u2581", " ").encode("utf-8")
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
@@ -65,3 +78,20 @@ class Tokenizer:
         return self.hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte -> printable character table of byte-level BPE vocabularies:
+    printable Latin-1 bytes map to themselves, the rest to code points 256+."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
