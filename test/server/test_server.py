@@ -7,6 +7,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -377,3 +378,37 @@ def test_cli_errors_are_one_clear_line(tmp_path) -> None:
         timeout=120,
     )
     assert r.returncode != 0 and "Traceback" not in r.stderr and "--bogus-flag" in r.stderr
+
+
+def test_sigterm_ends_in_flight_requests_and_exits_cleanly(tmp_path) -> None:
+    import signal
+    import threading
+
+    with running_server(
+        model_path("qwen3"), "--log-level", "info", "--stats-interval", "0.2", log_dir=str(tmp_path)
+    ) as s:
+        events: list[str] = []
+        body = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+
+        def consume() -> None:
+            with (
+                httpx.Client(base_url=s.base, timeout=60) as c,
+                c.stream("POST", "/v1/completions", json=body) as r,
+            ):
+                events.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
+
+        reader = threading.Thread(target=consume)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while len(events) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)  # long enough for a status line
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=30) == 0
+        reader.join(30)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+        log = s.log()
+        assert "KV capacity 4096 tokens" in log and "loaded in" in log
+        assert re.search(r"running \d+, queued \d+, KV usage [\d.]+%, generation [\d.]+ tok/s", log)
