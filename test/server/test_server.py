@@ -217,9 +217,26 @@ def test_native_generate_single_batch_and_stream(server) -> None:
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
         ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, "response_format"),
+        ("/v1/completions", {"prompt": "x", "regex": "a("}, "regex"),
+        ("/v1/completions", {"prompt": "x", "regex": "a", "ebnf": 'root ::= "a"'}, "ebnf"),
         (
-            "/v1/completions",
-            {"prompt": "x", "response_format": {"type": "json_object"}},
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_schema"},
+            },
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": {"type": "nope"}},
+                },
+            },
             "response_format",
         ),
         ("/v1/completions", {"prompt": [[10**7]]}, "prompt"),
@@ -241,12 +258,12 @@ def test_native_generate_single_batch_and_stream(server) -> None:
             {"text": "x", "logprob_start_len": 5, "return_logprob": True},
             "logprob_start_len",
         ),
-        ("/generate", {"text": "x", "sampling_params": {"json_schema": "{}"}}, "json_schema"),
+        ("/generate", {"text": "x", "sampling_params": {"json_schema": "{bad"}}, "json_schema"),
         ("/generate", {"text": "x", "input_ids": [1, 2]}, "text"),
         ("/generate", {"text": ["a", "b"], "rid": ["same", "same"]}, "rid"),
         (
             "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "x"}], "json_schema": "{}"},
+            {"messages": [{"role": "user", "content": "x"}], "json_schema": "{bad"},
             "json_schema",
         ),
     ],
@@ -412,3 +429,85 @@ def test_sigterm_ends_in_flight_requests_and_exits_cleanly(tmp_path) -> None:
         log = s.log()
         assert "KV capacity 4096 tokens" in log and "loaded in" in log
         assert re.search(r"running \d+, queued \d+, KV usage [\d.]+%, generation [\d.]+ tok/s", log)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"enum": ["ada", "bob"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "pets": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+    },
+    "required": ["name", "age", "pets"],
+}
+
+
+def test_constrained_output_through_the_openai_client(server, client) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": SCHEMA, "strict": True},
+    }
+    kwargs = dict(
+        model=model_name(server),
+        messages=[{"role": "user", "content": "who?"}],
+        max_tokens=120,
+        temperature=0,
+        response_format=fmt,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    full = client.chat.completions.create(**kwargs)
+    jsonschema.validate(json.loads(full.choices[0].message.content), SCHEMA)
+    assert len(full.choices[0].logprobs.content) == full.usage.completion_tokens
+    assert full.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    )
+    r = client.completions.create(
+        model=model_name(server),
+        prompt="date:",
+        max_tokens=30,
+        temperature=0.8,
+        seed=4,
+        extra_body={"regex": "20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"},
+    )
+    assert re.fullmatch("20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]", r.choices[0].text)
+    obj = client.completions.create(
+        model=model_name(server),
+        prompt="{",
+        max_tokens=150,
+        temperature=0,
+        extra_body={"json_schema": json.dumps(SCHEMA)},
+    )
+    jsonschema.validate(json.loads(obj.choices[0].text), SCHEMA)
+    native = server.http.post(
+        "/generate",
+        json={
+            "text": "x",
+            "sampling_params": {"ebnf": 'root ::= "on" | "off"', "max_new_tokens": 5},
+        },
+    ).json()
+    assert native["text"] in ("on", "off")
+
+
+def test_invalid_grammar_next_to_valid_requests(server) -> None:
+    import concurrent.futures
+
+    def valid(i: int) -> str:
+        return server.http.post(
+            "/v1/completions", json={"prompt": f"n{i}", "max_tokens": 10, "regex": "[0-9]{2}"}
+        ).json()["choices"][0]["text"]
+
+    def invalid(_: int) -> int:
+        return server.http.post(
+            "/v1/completions", json={"prompt": "x", "regex": "[0-9"}
+        ).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        good = [pool.submit(valid, i) for i in range(6)]
+        bad = [pool.submit(invalid, i) for i in range(4)]
+        assert all(re.fullmatch("[0-9]{2}", f.result()) for f in good)
+        assert all(f.result() == 400 for f in bad)
+    assert server.wait_idle()["grammar_matchers"] == 0

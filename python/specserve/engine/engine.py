@@ -17,6 +17,7 @@ from specserve.engine.engine_core import EngineCore, RequestOutput
 from specserve.engine.request import Req
 from specserve.engine.request_factory import GenerateRequest, Limits, RequestFactory
 from specserve.engine.result import ResultCollector, format_output
+from specserve.grammar.base import GrammarBackend
 from specserve.runner.model_runner import ModelRunner
 from specserve.tokenizer.tokenizer import Tokenizer
 
@@ -39,6 +40,10 @@ class Engine:
         self.tokenizer = Tokenizer(self.config.tokenizer_path or model_path)
         self.runner = ModelRunner(self.config)
         self.core = EngineCore(self.config, self.runner, self.tokenizer)
+        mc = self.runner.model_config
+        self.eos_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
+        self._grammar: GrammarBackend | None = None
+        self._grammar_lock = threading.Lock()
         self.requests = RequestFactory(
             self.tokenizer,
             Limits(
@@ -47,9 +52,8 @@ class Engine:
                 capacity_tokens=self.core.capacity_tokens,
                 max_top_logprobs=self.config.max_top_logprobs,
             ),
+            self.grammar_backend,
         )
-        mc = self.runner.model_config
-        self.eos_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._lock = threading.Lock()  # guards _sinks, _thread, _stopped
@@ -80,6 +84,21 @@ class Engine:
         with self._lock:
             return len(self._sinks)
 
+    def grammar_backend(self) -> GrammarBackend | None:
+        """The grammar backend, built on first use (None when disabled)."""
+        if self.config.grammar_backend == "none":
+            return None
+        with self._grammar_lock:
+            if self._grammar is None:
+                try:
+                    from specserve.grammar.xgrammar_backend import XGrammarBackend
+                except ImportError:
+                    raise ValueError("grammar_backend: xgrammar is not installed") from None
+                self._grammar = XGrammarBackend(
+                    self.tokenizer.hf, self.runner.vocab_size, sorted(self.eos_ids)
+                )
+            return self._grammar
+
     # ---- submission ---------------------------------------------------------
 
     def submit(self, greq: GenerateRequest, sink: Sink) -> None:
@@ -101,9 +120,12 @@ class Engine:
             if greq.rid in self._sinks:
                 raise ValueError(f"rid: {greq.rid!r} is already in use")
             self._sinks[greq.rid] = sink
-        self._inbox.put(
-            ("add", Req(greq.rid, greq.input_ids, greq.sampling, greq.logprob, self.eos_ids))
-        )
+        req = Req(greq.rid, greq.input_ids, greq.sampling, greq.logprob, self.eos_ids)
+        if greq.grammar is not None:
+            backend = self.grammar_backend()
+            assert backend is not None, "a compiled grammar implies a backend"
+            req.grammar = backend.matcher(greq.grammar)
+        self._inbox.put(("add", req))
         self._wakeup.set()
 
     def abort(self, rid: str) -> None:
@@ -276,6 +298,9 @@ class Engine:
             "generated_tokens": st.generated_tokens,
             "preemptions": sched.num_preemptions,
             "finished": dict(st.finished),
+            "grammar_matchers": sum(
+                r.grammar is not None for r in [*sched.running, *sched.waiting]
+            ),
         }
 
     def _handle(self, cmd: tuple[str, Any]) -> None:

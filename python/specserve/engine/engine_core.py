@@ -18,6 +18,7 @@ from specserve.engine.batch import ScheduledBatch
 from specserve.engine.output_processor import OutputProcessor, RunCommit
 from specserve.engine.request import FinishReason, Req, ReqStatus
 from specserve.engine.scheduler import Scheduler
+from specserve.grammar.bitmask import allocate_bitmask
 from specserve.runner.model_runner import ForwardOutput, ModelRunner
 from specserve.sampling.logprobs import TokenLogprob
 from specserve.sampling.penalties import PenaltyState, RowControls, apply_logit_bias
@@ -122,11 +123,22 @@ class EngineCore:
         rows = [fwd.row_offsets[i + 1] - 1 for i in sample_steps]
         reqs = [batch.steps[i].req for i in sample_steps]
         controls = [self._controls(r) for r in reqs]
-        out = self.sampler.sample(fwd.logits[rows], controls, [r.generator for r in reqs])
+        out = self.sampler.sample(
+            fwd.logits[rows], controls, [r.generator for r in reqs], self._grammar_mask(reqs)
+        )
         runs = [
             RunCommit(i, [tok], [row]) for i, tok, row in zip(sample_steps, out.token_ids, rows)
         ]
         return runs, self._scoring_logits(batch, fwd, out.processed_logits, rows)
+
+    def _grammar_mask(self, reqs: list[Req]) -> tuple[torch.Tensor, list[int]] | None:
+        constrained = [j for j, r in enumerate(reqs) if r.grammar is not None]
+        if not constrained:
+            return None
+        bitmask = allocate_bitmask(len(constrained), self.runner.vocab_size)
+        for k, j in enumerate(constrained):
+            reqs[j].grammar.fill_mask(bitmask, k)  # type: ignore[union-attr]
+        return bitmask, constrained
 
     @staticmethod
     def _controls(req: Req) -> RowControls:

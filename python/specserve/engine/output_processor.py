@@ -16,6 +16,7 @@ import torch
 
 from specserve.engine.batch import ReqStep
 from specserve.engine.request import FinishReason, Req
+from specserve.grammar.bitmask import advance_committed
 from specserve.sampling.logprobs import RowQuery, TokenLogprob, score_rows
 from specserve.tokenizer.detokenizer import Decoder, DetokState, detok_flush, detok_step
 
@@ -89,7 +90,11 @@ class OutputProcessor:
         scans: list[tuple[Req, RunCommit, _ScanResult]] = []
         for run in runs:
             req = steps[run.step].req
-            scan = self._scan(req, run.token_ids)
+            scan = (
+                self._scan_with_grammar(req, run.token_ids)
+                if req.grammar
+                else self._scan(req, run.token_ids)
+            )
             scans.append((req, run, scan))
             if req.logprob.return_logprob:
                 queries.extend(
@@ -115,6 +120,21 @@ class OutputProcessor:
         return RowQuery(
             row, token, self.temperature(req), opts.top_logprobs_num, opts.token_ids_logprob
         )
+
+    def _scan_with_grammar(self, req: Req, run: list[int]) -> _ScanResult:
+        """The grammar advances permanently over the run and ends it at
+        termination; stops inside what it accepted end it earlier (and the
+        matcher steps back over the tokens that will not be committed)."""
+        assert req.grammar is not None
+        adv = advance_committed(req.grammar, run)
+        scan = self._scan(req, run[: adv.num_accepted])
+        req.grammar.rollback(adv.num_accepted - scan.num_tokens)
+        if scan.finish is None and adv.terminated:
+            scan.finish = FinishReason("stop", matched=run[adv.num_accepted - 1])
+        elif scan.finish is None and adv.rejected:
+            bad = run[adv.num_accepted]
+            scan.finish = FinishReason("abort", message=f"the grammar rejected token {bad}")
+        return scan
 
     def _scan(self, req: Req, run: list[int]) -> _ScanResult:
         """How much of ``run`` commits, and the text after it (pure)."""

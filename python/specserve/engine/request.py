@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from specserve.grammar.base import GrammarMatcher
 from specserve.sampling.logprobs import TokenLogprob
 from specserve.sampling.params import SamplingParams
 from specserve.sampling.penalties import PenaltyState
@@ -72,6 +73,7 @@ class Req:
     penalty: PenaltyState | None = None
     detok: DetokState = field(default_factory=lambda: DetokState((), 0))
     stop_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids
+    grammar: GrammarMatcher | None = None  # at the committed state
 
     def __post_init__(self) -> None:
         self.detok = DetokState.start(self.prompt_ids)

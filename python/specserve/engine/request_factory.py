@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specserve.engine.request import LogprobOptions
+from specserve.grammar.base import GrammarBackend
 from specserve.sampling.params import SamplingParams
 from specserve.tokenizer.tokenizer import Tokenizer
 
@@ -24,6 +25,7 @@ class GenerateRequest:
     sampling: SamplingParams
     logprob: LogprobOptions
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    grammar: Any = None  # the compiled output constraint, if any
 
 
 @dataclass(frozen=True)
@@ -41,9 +43,15 @@ def _is_id_list(v: Any) -> bool:
 
 
 class RequestFactory:
-    def __init__(self, tokenizer: Tokenizer, limits: Limits) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        limits: Limits,
+        grammar: Callable[[], GrammarBackend | None] = lambda: None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.grammar = grammar  # the backend, created on first use
 
     def build(
         self,
@@ -172,5 +180,14 @@ class RequestFactory:
                 )
         if rid is not None and (not isinstance(rid, str) or not rid):
             raise ValueError("rid must be a non-empty string")
+        compiled = None
+        spec = sp.grammar
+        if spec is not None:
+            backend = self.grammar()
+            if backend is None:
+                raise ValueError(
+                    f"{spec.field}: constrained decoding is disabled (grammar backend none)"
+                )
+            compiled = backend.compile(spec)  # compiled before admission, off the engine loop
         opts = LogprobOptions(return_logprob, start, top_logprobs_num, tid, bool(return_text))
-        return GenerateRequest(ids, sp, opts, rid or uuid.uuid4().hex)
+        return GenerateRequest(ids, sp, opts, rid or uuid.uuid4().hex, compiled)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from specserve.grammar.base import GrammarSpec
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,11 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False  # keep the matched stop string in the text
+    # At most one output constraint.
+    json_schema: str | None = None  # a JSON schema (text, or an object serialised here)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         # Normalise the container fields so the frozen object is self-contained.
@@ -38,6 +46,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _parse_logit_bias(self.logit_bias))
+        if isinstance(self.json_schema, dict):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
         self._validate()
 
     def _validate(self) -> None:
@@ -89,6 +99,29 @@ class SamplingParams:
             "stop_token_ids",
             "a list of token ids",
         )
+        for name in ("json_schema", "regex", "ebnf"):
+            check(
+                getattr(self, name) is None or isinstance(getattr(self, name), str),
+                name,
+                "a string",
+            )
+        given = [n for n in ("json_schema", "json_object", "regex", "ebnf") if getattr(self, n)]
+        if len(given) > 1:
+            raise ValueError(
+                f"{given[1]}: only one output constraint per request, got {', '.join(given)}"
+            )
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        if self.json_schema is not None:
+            return GrammarSpec("json_schema", self.json_schema)
+        if self.json_object:
+            return GrammarSpec("json_object")
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex)
+        if self.ebnf is not None:
+            return GrammarSpec("ebnf", self.ebnf)
+        return None
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.grammar.bitmask import apply_bitmask
 from specserve.sampling.penalties import RowControls, process_logits
 
 
@@ -30,14 +31,18 @@ class Sampler:
         logits: torch.Tensor,  # [N, V] float32
         rows: Sequence[RowControls],
         generators: Sequence[torch.Generator | None],
+        grammar_mask: tuple[torch.Tensor, list[int]] | None = None,
     ) -> SampleOutput:
-        needs_processing = any(
+        """``grammar_mask``: a bitmask ``[n, words]`` and the ``n`` rows it constrains."""
+        needs_processing = grammar_mask is not None or any(
             r.params.logit_bias
             or r.penalty is not None
             or r.num_output_tokens < r.params.min_new_tokens
             for r in rows
         )
         x = process_logits(logits.clone(), rows) if needs_processing else logits
+        if grammar_mask is not None:
+            apply_bitmask(x, *grammar_mask)
         tokens = x.argmax(dim=-1)  # [N]; greedy rows keep this
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:

@@ -20,8 +20,6 @@ from specserve.engine.result import ResultCollector
 from specserve.server.errors import APIError, from_value_error
 from specserve.server.metrics import Histogram, Registry, Sampled
 
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "response_format")
-
 
 def sse(payload: dict[str, Any] | str) -> str:
     """One server-sent event."""
@@ -163,11 +161,3 @@ def _reader(stats: Callable[[], dict[str, Any]], key: str) -> Callable[[], Any]:
 async def _wait_disconnect(request: Request) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(0.25)
-
-
-def reject_grammar(fields: dict[str, Any]) -> None:
-    for name in GRAMMAR_FIELDS:
-        if fields.get(name) is not None:
-            raise APIError(
-                f"{name}: grammar-constrained decoding is not available in this build", name
-            )

@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from specserve.engine.request_factory import GenerateRequest
 from specserve.engine.result import ResultCollector
 from specserve.protocol.native import GenerateReqInput
-from specserve.server.context import GRAMMAR_FIELDS, ServerContext, reject_grammar, sse
+from specserve.server.context import ServerContext, sse
 
 router = APIRouter()
 
@@ -24,14 +24,11 @@ router = APIRouter()
 @router.post("/generate")
 async def generate(body: GenerateReqInput, raw: Request) -> Any:
     ctx: ServerContext = raw.app.state.ctx
-    sps = body.sampling_params
-    for sp in sps if isinstance(sps, list) else [sps or {}]:
-        reject_grammar({k: sp.get(k) for k in GRAMMAR_FIELDS})
     greqs, batched = await ctx.build(
         {"prompt": "text"},
         prompt=body.text,
         input_ids=body.input_ids,
-        sampling_params=sps,
+        sampling_params=body.sampling_params,
         return_logprob=body.return_logprob,
         logprob_start_len=body.logprob_start_len,
         top_logprobs_num=body.top_logprobs_num,

@@ -14,9 +14,15 @@ from fastapi.responses import StreamingResponse
 from specserve.engine.request_factory import GenerateRequest
 from specserve.protocol.openai import ChatCompletionRequest
 from specserve.sampling.logprobs import TokenLogprob
-from specserve.server.context import ServerContext, reject_grammar, sse
+from specserve.server.context import ServerContext, sse
 from specserve.server.errors import APIError
-from specserve.server.openai_common import finish_name, sampling_dict, seeded, usage
+from specserve.server.openai_common import (
+    constraint_renames,
+    finish_name,
+    sampling_dict,
+    seeded,
+    usage,
+)
 
 router = APIRouter()
 
@@ -34,10 +40,6 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's own cap for chat
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
     ctx: ServerContext = raw.app.state.ctx
     ctx.check_model(body.model)
-    fields = body.model_dump()
-    if (body.response_format or {}).get("type") == "text":
-        fields["response_format"] = None
-    reject_grammar(fields)
     top = body.top_logprobs
     if top is not None:
         cap = min(MAX_TOP_LOGPROBS, ctx.engine.config.max_top_logprobs)
@@ -56,7 +58,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> A
         limit = max(0, min(lim.context_length, lim.capacity_tokens) - len(ids))
     sp = sampling_dict(body, limit)
     greqs, _ = await ctx.build(
-        RENAMES,
+        {**RENAMES, **constraint_renames(body)},
         input_ids=[ids] * body.n,
         sampling_params=[seeded(sp, j) for j in range(body.n)],
         return_logprob=body.logprobs,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from specserve.engine.request import FinishReason
 from specserve.protocol.openai import SamplingFields
+from specserve.server.errors import APIError
 
 # OpenAI field -> SamplingParams field, for fields that are passed through when set.
 _PASS_THROUGH = {
@@ -34,7 +36,46 @@ def sampling_dict(body: SamplingFields, max_new_tokens: int) -> dict[str, Any]:
         value = getattr(body, src)
         if value is not None:
             sp[dst] = value
+    sp.update(_constraint(body))
     return sp
+
+
+def _constraint(body: SamplingFields) -> dict[str, Any]:
+    """Output constraints: ``response_format`` plus the ``json_schema`` /
+    ``regex`` / ``ebnf`` extension fields (two of them at once is a 400)."""
+    out: dict[str, Any] = {}
+    rf = body.response_format
+    kind = (rf or {}).get("type", "text")
+    if kind == "json_object":
+        out["json_object"] = True
+    elif kind == "json_schema":
+        spec = rf.get("json_schema") if rf else None
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(
+                "response_format: json_schema needs a 'json_schema' object with a 'schema'",
+                "response_format",
+            )
+        out["json_schema"] = json.dumps(schema)
+    elif kind != "text":
+        raise APIError(
+            f"response_format: type must be text, json_object or json_schema, got {kind!r}",
+            "response_format",
+        )
+    for name in ("json_schema", "regex", "ebnf"):
+        value = getattr(body, name)
+        if value is not None:
+            if name in out:
+                raise APIError(f"{name}: only one output constraint per request", name)
+            out[name] = json.dumps(value) if isinstance(value, dict) else value
+    return out
+
+
+def constraint_renames(body: SamplingFields) -> dict[str, str]:
+    """Errors about a constraint given as ``response_format`` name that field."""
+    if body.response_format and body.response_format.get("type") in ("json_object", "json_schema"):
+        return {"json_schema": "response_format", "json_object": "response_format"}
+    return {}
 
 
 def finish_name(reason: FinishReason | None) -> str | None:

@@ -15,9 +15,15 @@ from specserve.engine.engine_core import RequestOutput
 from specserve.engine.request_factory import GenerateRequest
 from specserve.protocol.openai import CompletionRequest
 from specserve.sampling.logprobs import TokenLogprob
-from specserve.server.context import ServerContext, reject_grammar, sse
+from specserve.server.context import ServerContext, sse
 from specserve.server.errors import APIError
-from specserve.server.openai_common import finish_name, sampling_dict, seeded, usage
+from specserve.server.openai_common import (
+    constraint_renames,
+    finish_name,
+    sampling_dict,
+    seeded,
+    usage,
+)
 
 router = APIRouter()
 
@@ -46,7 +52,6 @@ class _Choice:
 async def create_completion(body: CompletionRequest, raw: Request) -> Any:
     ctx: ServerContext = raw.app.state.ctx
     ctx.check_model(body.model)
-    reject_grammar(body.model_dump())
     if body.suffix is not None:
         raise APIError("suffix: not supported", "suffix")
     max_top = ctx.engine.config.max_top_logprobs
@@ -64,7 +69,7 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Any:
     with_logprobs = body.logprobs is not None
     per_choice = [(p, j) for p in prompt for j in range(body.n)]
     greqs, _ = await ctx.build(
-        RENAMES,
+        {**RENAMES, **constraint_renames(body)},
         prompt=[p for p, _ in per_choice] if texts is not None else None,
         input_ids=None if texts is not None else [list(p) for p, _ in per_choice],
         sampling_params=[seeded(sp, j) for _, j in per_choice],
