@@ -184,3 +184,20 @@ def math_isclose_sum(top) -> bool:
     """The allowed entries carry all the probability mass of a masked row."""
     mass = sum(torch.tensor(v).exp().item() for v, _, _ in top if v > -9999.0)
     return abs(mass - 1.0) < 1e-4
+
+
+def test_grammar_backend_none_disables_constraints() -> None:
+    eng = Engine(
+        model_path=model_path("qwen3"), device="cpu", max_total_tokens=1024, grammar_backend="none"
+    )
+    try:
+        with pytest.raises(ValueError, match="^regex: constrained decoding is disabled"):
+            eng.generate("x", {"regex": "a+"})
+        assert (
+            eng.generate("x", {"max_new_tokens": 2, "ignore_eos": True})["meta_info"][
+                "completion_tokens"
+            ]
+            == 2
+        )
+    finally:
+        eng.shutdown()
