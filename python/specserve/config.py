@@ -181,6 +181,67 @@ class SchedulerConfig:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
 
 
+SPEC_ALGORITHMS = ("DSPARK", "DFLASH", "NGRAM")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    algorithm: str | None = None  # None: plain decoding
+    draft_model_path: str | None = None
+    # DSpark/DFlash block size (drafts per round); None: the checkpoint's.
+    block_size: int | None = None
+    # Verify chain length (anchor + drafts). DSpark/DFlash: must be block size + 1.
+    num_draft_tokens: int | None = None
+    # Static verify length: drafts up to the first confidence below this (0: all).
+    confidence_threshold: float = 0.0
+    schedule: str = "static"  # or "budget" (the paper's verify-token budget)
+    sps_table_path: str | None = None  # budget mode: steps/s per verify batch size
+    ngram_max_match: int = 4
+    ngram_min_match: int = 1
+
+    def __post_init__(self) -> None:
+        alg = self.algorithm
+        if alg is not None and alg.upper() not in SPEC_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be one of {SPEC_ALGORITHMS}, got {alg!r}")
+        if alg is not None:
+            object.__setattr__(self, "algorithm", alg.upper())
+        if self.algorithm in ("DSPARK", "DFLASH") and not self.draft_model_path:
+            raise ValueError(f"speculative_draft_model_path is required for {self.algorithm}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"speculative_dspark_block_size must be >= 1, got {self.block_size}")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 2:
+            raise ValueError(f"speculative_num_draft_tokens must be >= 2, got {self.num_draft_tokens}")
+        if not 0.0 <= self.confidence_threshold <= 1.0:
+            raise ValueError(
+                f"speculative_dspark_confidence_threshold must be in [0, 1], got {self.confidence_threshold}"
+            )
+        if self.schedule not in ("static", "budget"):
+            raise ValueError(f"speculative_dspark_schedule must be static or budget, got {self.schedule!r}")
+        if not 1 <= self.ngram_min_match <= self.ngram_max_match:
+            raise ValueError(
+                "speculative_ngram_min_match must be >= 1 and <= speculative_ngram_max_match, "
+                f"got {self.ngram_min_match} and {self.ngram_max_match}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm is not None
+
+
+# Flat engine-argument names (SGLang's) of the SpecConfig fields.
+SPEC_ARG_NAMES = {
+    "speculative_algorithm": "algorithm",
+    "speculative_draft_model_path": "draft_model_path",
+    "speculative_dspark_block_size": "block_size",
+    "speculative_num_draft_tokens": "num_draft_tokens",
+    "speculative_dspark_confidence_threshold": "confidence_threshold",
+    "speculative_dspark_schedule": "schedule",
+    "speculative_dspark_sps_table_path": "sps_table_path",
+    "speculative_ngram_max_match": "ngram_max_match",
+    "speculative_ngram_min_match": "ngram_min_match",
+}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
@@ -196,6 +257,7 @@ class EngineConfig:
     grammar_backend: str = "xgrammar"  # or "none"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -223,21 +285,26 @@ class EngineConfig:
     def from_kwargs(cls, model_path: str, **kwargs: Any) -> EngineConfig:
         """Flat keyword arguments (SGLang names) into the nested frozen config."""
         sub: dict[type, dict[str, Any]] = {CacheConfig: {}, SchedulerConfig: {}}
+        spec: dict[str, Any] = {}
         top: dict[str, Any] = {}
         names = {f.name for f in dataclasses.fields(cls)}
         for key, value in kwargs.items():
+            if key in SPEC_ARG_NAMES:
+                spec[SPEC_ARG_NAMES[key]] = value
+                continue
             for sub_cls in sub:
                 if key in {f.name for f in dataclasses.fields(sub_cls)}:
                     sub[sub_cls][key] = value
                     break
             else:
-                if key not in names or key in ("cache", "scheduler"):
+                if key not in names or key in ("cache", "scheduler", "spec"):
                     raise ValueError(f"unknown engine argument {key!r}")
                 top[key] = value
         return cls(
             model_path=model_path,
             cache=CacheConfig(**sub[CacheConfig]),
             scheduler=SchedulerConfig(**sub[SchedulerConfig]),
+            spec=SpecConfig(**spec),
             **top,
         )
 

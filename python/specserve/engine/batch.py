@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from specserve.engine.request import Req
 
@@ -39,6 +41,15 @@ class ReqStep:
     input_logprob_start: int = 0
     num_input_logprob_rows: int = 0
     sample: bool = False
+    # Speculation: the entry is the chain [anchor, *drafts]; every row is a verify row.
+    drafts: list[int] = field(default_factory=list)
+    draft_q: torch.Tensor | None = None  # [len(drafts), V], None: one-hot drafts
+    verify: bool = False
+
+    @property
+    def decoding(self) -> bool:
+        """Feeds only the last generated token (the anchor of a speculative round)."""
+        return self.sample and self.num_input_logprob_rows == 0 and bool(self.req.output_ids)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from specserve.engine.request_factory import GenerateRequest, Limits, RequestFac
 from specserve.engine.result import ResultCollector, format_output
 from specserve.grammar.base import GrammarBackend
 from specserve.runner.model_runner import ModelRunner
+from specserve.speculative.factory import build_proposer
 from specserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ class Engine:
         self.config = EngineConfig.from_kwargs(model_path, **engine_args)
         self.tokenizer = Tokenizer(self.config.tokenizer_path or model_path)
         self.runner = ModelRunner(self.config)
-        self.core = EngineCore(self.config, self.runner, self.tokenizer)
+        self.proposer = build_proposer(self.config, self.runner)
+        self.core = EngineCore(self.config, self.runner, self.tokenizer, self.proposer)
         mc = self.runner.model_config
         self.eos_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         self._grammar: GrammarBackend | None = None
@@ -51,6 +53,7 @@ class Engine:
                 context_length=self.runner.context_length,
                 capacity_tokens=self.core.capacity_tokens,
                 max_top_logprobs=self.config.max_top_logprobs,
+                speculative=self.config.spec.enabled,
             ),
             self.grammar_backend,
         )
@@ -288,6 +291,7 @@ class Engine:
         sched = self.core.scheduler
         total, free = self.total_pages(), self.free_pages()
         st = self.core.stats
+        spec = self.core.spec
         return {
             "running": len(sched.running),
             "queued": len(sched.waiting),
@@ -301,6 +305,8 @@ class Engine:
             "grammar_matchers": sum(
                 r.grammar is not None for r in [*sched.running, *sched.waiting]
             ),
+            "spec_accept_length": spec.mean_accept_length if spec else None,
+            "spec_verify_rounds": spec.verify_rounds if spec else 0,
         }
 
     def _handle(self, cmd: tuple[str, Any]) -> None:

@@ -23,6 +23,8 @@ from specserve.runner.model_runner import ForwardOutput, ModelRunner
 from specserve.sampling.logprobs import TokenLogprob
 from specserve.sampling.penalties import PenaltyState, RowControls, apply_logit_bias
 from specserve.sampling.sampler import Sampler
+from specserve.speculative.base import Proposer
+from specserve.speculative.spec_decoder import SpecDecoder
 from specserve.tokenizer.detokenizer import Decoder
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,8 @@ class RequestOutput:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
+    # Speculation: (verify rounds, tokens they committed); None without it.
+    spec: tuple[int, int] | None = None
 
 
 @dataclass
@@ -63,11 +67,23 @@ class _Cursor:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Decoder) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        tokenizer: Decoder,
+        proposer: Proposer | None = None,
+    ) -> None:
         self.config = config
         self.runner = runner
         self.block_pool = BlockPool(runner.num_pages, runner.page_size)
-        self.scheduler = Scheduler(config.scheduler, self.block_pool)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.block_pool,
+            lookahead=proposer.max_drafts if proposer else 0,
+            on_release=proposer.release if proposer else None,
+        )
+        self.spec = SpecDecoder(proposer, self.scheduler, runner.vocab_size) if proposer else None
         self.sampler = Sampler(runner.device, config.random_seed)
         self.output_processor = OutputProcessor(
             tokenizer, config.logprobs_mode, runner.context_length, config.kernel_backend
@@ -106,20 +122,31 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        if self.spec is not None:
+            self.spec.prepare(batch)
         fwd = self.runner.forward(batch)
         self.scheduler.mark_computed(batch)
-        runs, scoring = self._sample(batch, fwd)
+        runs, processed = self._sample(batch, fwd)
+        if self.spec is not None:
+            spec_runs, spec_processed = self.spec.verify(batch, fwd, self.sampler.generator)
+            runs += spec_runs
+            processed += spec_processed
+        scoring = self._scoring_logits(batch, fwd, processed)
+        before = [len(step.req.output_ids) for step in batch.steps]
         self.output_processor.process(batch.steps, fwd.row_offsets, runs, scoring)
+        if self.spec is not None:
+            self.spec.finish_round(batch, fwd, before)
         self.scheduler.reap_finished()
         return [self._delta(step.req) for step in batch.steps]
 
     def _sample(
         self, batch: ScheduledBatch, fwd: ForwardOutput
-    ) -> tuple[list[RunCommit], torch.Tensor]:
-        """One token per sampling step; returns the runs and the logits to score from."""
-        sample_steps = [i for i, s in enumerate(batch.steps) if s.sample]
+    ) -> tuple[list[RunCommit], list[tuple[list[int], torch.Tensor]]]:
+        """One token per plain sampling step: the runs, and the processed rows
+        they were drawn from (for processed-mode logprobs)."""
+        sample_steps = [i for i, s in enumerate(batch.steps) if s.sample and not s.verify]
         if not sample_steps:
-            return [], self._scoring_logits(batch, fwd, None, [])
+            return [], []
         rows = [fwd.row_offsets[i + 1] - 1 for i in sample_steps]
         reqs = [batch.steps[i].req for i in sample_steps]
         controls = [self._controls(r) for r in reqs]
@@ -129,7 +156,7 @@ class EngineCore:
         runs = [
             RunCommit(i, [tok], [row]) for i, tok, row in zip(sample_steps, out.token_ids, rows)
         ]
-        return runs, self._scoring_logits(batch, fwd, out.processed_logits, rows)
+        return runs, [(rows, out.processed_logits)]
 
     def _grammar_mask(self, reqs: list[Req]) -> tuple[torch.Tensor, list[int]] | None:
         constrained = [j for j, r in enumerate(reqs) if r.grammar is not None]
@@ -148,8 +175,7 @@ class EngineCore:
         self,
         batch: ScheduledBatch,
         fwd: ForwardOutput,
-        processed: torch.Tensor | None,
-        sample_rows: list[int],
+        processed: list[tuple[list[int], torch.Tensor]],
     ) -> torch.Tensor:
         """Raw mode scores the model's logits. Processed mode scores what the
         sampler drew from; prompt rows get the request's logit bias (there is
@@ -165,8 +191,8 @@ class EngineCore:
                 apply_logit_bias(
                     logits[lo : lo + step.num_input_logprob_rows], step.req.sampling.logit_bias
                 )
-        if processed is not None and sample_rows:
-            logits[sample_rows] = processed
+        for rows, values in processed:
+            logits[rows] = values
         return logits
 
     # ---- outputs --------------------------------------------------------
@@ -185,6 +211,7 @@ class EngineCore:
             finish_reason=req.finish_reason,
             prompt_tokens=req.prompt_len,
             completion_tokens=len(req.output_ids),
+            spec=(req.spec_verify_ct, req.spec_committed) if self.spec is not None else None,
         )
         self.stats.generated_tokens += len(out.token_ids)
         cur.tokens = len(req.output_ids)

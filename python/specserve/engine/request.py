@@ -75,6 +75,11 @@ class Req:
     stop_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids
     grammar: GrammarMatcher | None = None  # at the committed state
 
+    # Speculation: the proposer's own state, and what verification did.
+    draft_state: Any = None
+    spec_verify_ct: int = 0  # verify rounds taken part in
+    spec_committed: int = 0  # tokens committed by those rounds (bonus included)
+
     def __post_init__(self) -> None:
         self.detok = DetokState.start(self.prompt_ids)
         eos = frozenset() if self.sampling.ignore_eos else self.eos_ids

@@ -25,10 +25,12 @@ class ResultCollector:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     input_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    spec: tuple[int, int] | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     def add(self, out: RequestOutput) -> None:
         self.prompt_tokens = out.prompt_tokens
+        self.spec = out.spec
         self.token_ids.extend(out.token_ids)
         self.text.append(out.text)
         self.output_logprobs.extend(out.output_logprobs)
@@ -48,6 +50,7 @@ class ResultCollector:
             finish_reason=self.finish_reason,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=len(self.token_ids),
+            spec=self.spec,
         )
 
 
@@ -61,6 +64,10 @@ def format_output(
         "completion_tokens": out.completion_tokens,
         "finish_reason": out.finish_reason.to_dict() if out.finish_reason else None,
     }
+    if out.spec is not None:
+        verify_ct, committed = out.spec
+        meta["spec_verify_ct"] = verify_ct
+        meta["spec_accept_length"] = committed / verify_ct if verify_ct else 0.0
     opts = greq.logprob
     if opts.return_logprob:
         text_of = token_text if opts.return_text_in_logprobs else None

@@ -12,6 +12,7 @@ queue with its generated tokens, to be recomputed later. No request is lost.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from specserve.cache.block_pool import BlockPool
 from specserve.config import SchedulerConfig
@@ -20,12 +21,26 @@ from specserve.engine.request import FinishReason, Req, ReqStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_pool: BlockPool) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_pool: BlockPool,
+        lookahead: int = 0,
+        on_release: Callable[[Req], None] | None = None,
+    ) -> None:
         self.config = config
         self.block_pool = block_pool
+        # Speculation: a decoding request also needs KV room for its drafts.
+        self.lookahead = lookahead
+        self.on_release = on_release  # drops per-request state kept elsewhere (drafts)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
+
+    def max_drafts(self, req: Req) -> int:
+        """Drafts a round may verify for ``req``: never past its token limit."""
+        left = req.sampling.max_new_tokens - len(req.output_ids) - 1
+        return max(0, min(self.lookahead, left))
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -66,7 +81,8 @@ class Scheduler:
             n = pending if pending == 1 else min(pending, budget)
             if n == 0:
                 continue
-            if not self._reserve(req, n):
+            room = n + self.max_drafts(req) if pending == 1 and req.output_ids else n
+            if not self._reserve(req, room):
                 preempted = True
                 continue
             if pending > 1:
@@ -124,6 +140,18 @@ class Scheduler:
         self.block_pool.release(req.page_table)
         req.page_table = []
         req.num_computed = 0
+        if self.on_release is not None:
+            self.on_release(req)
+
+    def trim(self, req: Req, num_tokens: int) -> None:
+        """Keeps the K/V of the first ``num_tokens`` positions only (a verify
+        round's rejected drafts go) and returns the pages past them."""
+        assert num_tokens <= req.num_computed
+        req.num_computed = num_tokens
+        keep = self.block_pool.pages_for(num_tokens)
+        if keep < len(req.page_table):
+            self.block_pool.release(req.page_table[keep:])
+            req.page_table = req.page_table[:keep]
 
     def _build_batch(self, planned: list[tuple[Req, int]]) -> ScheduledBatch:
         entries: list[BatchEntry] = []

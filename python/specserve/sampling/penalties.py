@@ -40,8 +40,10 @@ class RowControls:
 
     params: SamplingParams
     penalty: PenaltyState | None
-    num_output_tokens: int
+    num_output_tokens: int  # including ``extra_tokens``
     stop_ids: frozenset[int]  # ids suppressed while under min_new_tokens
+    # Drafts this row comes after (a verify row): part of its history too.
+    extra_tokens: tuple[int, ...] = ()
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[RowControls]) -> torch.Tensor:
@@ -52,7 +54,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[RowControls]) -> torch.T
         if p.logit_bias:
             apply_logit_bias(logits[i : i + 1], p.logit_bias)
         if row.penalty is not None:
-            _apply_penalties(logits[i], p, row.penalty)
+            _apply_penalties(logits[i], p, row.penalty, row.extra_tokens)
         if row.num_output_tokens < p.min_new_tokens and row.stop_ids:
             logits[i, [t for t in row.stop_ids if t < vocab]] = float("-inf")
     return logits
@@ -67,11 +69,18 @@ def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tens
     return logits
 
 
-def _apply_penalties(row: torch.Tensor, p: SamplingParams, state: PenaltyState) -> None:
+def _apply_penalties(
+    row: torch.Tensor, p: SamplingParams, state: PenaltyState, extra: tuple[int, ...]
+) -> None:
+    seen, counts = state.seen, state.output_counts
+    if extra:
+        ids = torch.tensor(extra, dtype=torch.int64, device=row.device)
+        seen = seen.clone()
+        seen[ids] = True
+        counts = counts.index_add(0, ids, torch.ones(len(extra), device=row.device))
     if p.repetition_penalty != 1.0:
         # Positive logits shrink, negative ones grow more negative (CTRL / HF rule).
         penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-        row.copy_(torch.where(state.seen, penalised, row))
+        row.copy_(torch.where(seen, penalised, row))
     if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-        counts = state.output_counts
         row.sub_(counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty)

@@ -1,0 +1,59 @@
+"""The speculative-v2 interface: proposers propose, one verify decides, one
+output processor commits.
+
+A proposer never touches logits, acceptance or logprobs. It returns draft
+chains (and, when it sampled them, the distributions ``q`` they were drawn
+from) and keeps whatever per-request state it needs in ``Req.draft_state``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.request import Req
+
+
+@dataclass
+class DraftProposal:
+    """Per request (in the order asked): a draft chain and how it was drawn."""
+
+    tokens: list[list[int]]  # x_1..x_L, ragged
+    # [L, V] float32: the distribution each draft was drawn from; None means
+    # deterministic drafts (greedy, n-gram), treated as one-hot.
+    q: list[torch.Tensor | None]
+    # c_1..c_L: the drafter's estimate that draft k is accepted given k-1 were.
+    confidence: list[list[float]] | None = None
+
+
+@dataclass
+class VerifyResult:
+    tokens: list[int]  # committed: the accepted drafts, then the corrected or bonus token
+    accept_len: int  # accepted drafts
+    rows: list[int]  # the verify-logits row that scored each committed token
+
+
+class Proposer(ABC):
+    # Target layers whose outputs the proposer needs, captured per token.
+    capture_layer_ids: tuple[int, ...] = ()
+    # Most drafts per round (the verify chain is one longer).
+    max_drafts: int = 0
+
+    @abstractmethod
+    def propose(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> DraftProposal:
+        """Drafts for requests whose last token (the anchor) is not yet in the KV."""
+
+    def verify_lengths(self, proposal: DraftProposal) -> list[int]:
+        """How many of each chain's drafts to verify (all of them by default)."""
+        return [len(t) for t in proposal.tokens]
+
+    def on_target_features(self, req: Req, start: int, features: torch.Tensor) -> None:  # noqa: B027
+        """Captured target features ``[n, m * d]`` of committed positions ``start..``
+        (only proposers with ``capture_layer_ids`` receive any)."""
+
+    def release(self, req: Req) -> None:
+        """Drops the request's draft state (finished, aborted or preempted)."""
+        req.draft_state = None

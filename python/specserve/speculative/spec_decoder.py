@@ -1,0 +1,123 @@
+"""One speculative round, the same for every proposer.
+
+Before the forward, decoding requests get a draft chain: their batch entry
+becomes ``[anchor, x_1..x_L]`` with every row's logits returned (VERIFY).
+After it, each chain's rows are processed exactly as plain sampling would
+process them (penalties over the chain prefix, min-token suppression, the
+grammar's chain masks), ``verify_chain`` decides what is committed, and the
+commit goes through the shared output processor like any other run. Then
+the rejected positions' K/V are dropped and the committed rows' captured
+features go to the proposer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specserve.engine.batch import ForwardMode, ScheduledBatch
+from specserve.engine.output_processor import RunCommit
+from specserve.engine.scheduler import Scheduler
+from specserve.grammar.bitmask import allocate_bitmask, apply_bitmask, fill_chain_masks
+from specserve.runner.model_runner import ForwardOutput
+from specserve.sampling.penalties import RowControls, process_logits
+from specserve.speculative.base import Proposer
+from specserve.speculative.verify import verify_chain
+
+
+class SpecDecoder:
+    def __init__(self, proposer: Proposer, scheduler: Scheduler, vocab_size: int) -> None:
+        self.proposer = proposer
+        self.scheduler = scheduler
+        self.vocab_size = vocab_size
+        self.verify_rounds = 0  # request-rounds, over the engine's life
+        self.committed_tokens = 0
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Committed tokens per verify round (bonus included): tau."""
+        return self.committed_tokens / self.verify_rounds if self.verify_rounds else 0.0
+
+    def prepare(self, batch: ScheduledBatch) -> None:
+        """Turns every decoding entry into a verify chain (possibly of no drafts)."""
+        batch.capture_layer_ids = self.proposer.capture_layer_ids
+        chosen = [i for i, step in enumerate(batch.steps) if step.decoding]
+        if not chosen:
+            return
+        reqs = [batch.steps[i].req for i in chosen]
+        limits = [self.scheduler.max_drafts(r) for r in reqs]
+        proposal = self.proposer.propose(reqs, limits)
+        lengths = self.proposer.verify_lengths(proposal)
+        for k, i in enumerate(chosen):
+            n = max(0, min(lengths[k], limits[k], len(proposal.tokens[k])))
+            step, entry = batch.steps[i], batch.entries[i]
+            step.verify = True
+            step.drafts = proposal.tokens[k][:n]
+            q = proposal.q[k]
+            step.draft_q = None if q is None else q[:n]
+            entry.token_ids = entry.token_ids + step.drafts
+            entry.logit_rows = list(range(1 + n))
+        if all(step.verify for step in batch.steps):
+            batch.mode = ForwardMode.VERIFY
+
+    def verify(
+        self, batch: ScheduledBatch, fwd: ForwardOutput, shared_generator: torch.Generator
+    ) -> tuple[list[RunCommit], list[tuple[list[int], torch.Tensor]]]:
+        """The committed run of every chain, and its processed rows (for
+        ``--logprobs-mode processed``) as (row indices, logits)."""
+        runs: list[RunCommit] = []
+        processed: list[tuple[list[int], torch.Tensor]] = []
+        for i, step in enumerate(batch.steps):
+            if not step.verify:
+                continue
+            req, drafts = step.req, step.drafts
+            lo = fwd.row_offsets[i]
+            rows = list(range(lo, lo + 1 + len(drafts)))
+            x = self._process_rows(fwd.logits[lo : lo + 1 + len(drafts)].clone(), step.req, drafts)
+            generator = req.generator or shared_generator
+            tokens, accepted = verify_chain(x, drafts, step.draft_q, req.sampling, generator)
+            runs.append(RunCommit(i, tokens, rows[: accepted + 1]))
+            processed.append((rows, x))
+        return runs, processed
+
+    def _process_rows(self, x: torch.Tensor, req, drafts: Sequence[int]) -> torch.Tensor:
+        """Row j follows the anchor and ``drafts[:j]``: what plain sampling
+        would see at that point."""
+        done = len(req.output_ids)
+        controls = [
+            RowControls(req.sampling, req.penalty, done + j, req.stop_ids, tuple(drafts[:j]))
+            for j in range(x.shape[0])
+        ]
+        process_logits(x, controls)
+        if req.grammar is not None:
+            bitmask = allocate_bitmask(x.shape[0], self.vocab_size)
+            fill_chain_masks(req.grammar, drafts, bitmask, 0)
+            apply_bitmask(x, bitmask, list(range(x.shape[0])))
+        return x
+
+    def finish_round(self, batch: ScheduledBatch, fwd: ForwardOutput, before: Sequence[int]) -> None:
+        """Drops rejected K/V, counts the round, hands committed features on.
+
+        ``before``: each step's output length before this step's commit.
+        """
+        start = 0
+        for i, (step, entry) in enumerate(zip(batch.steps, batch.entries)):
+            req, first = step.req, start
+            start += len(entry.token_ids)
+            fed = len(entry.token_ids)
+            if step.verify:
+                committed = len(req.output_ids) - before[i]
+                req.spec_verify_ct += 1
+                req.spec_committed += committed
+                self.verify_rounds += 1
+                self.committed_tokens += committed
+                if req.finished:
+                    continue  # its pages and draft state go with it
+                # Not finished, so nothing was cut: the anchor and the accepted
+                # drafts are now KV; the last committed token is the next anchor.
+                fed = committed
+                self.scheduler.trim(req, entry.prefix_len + fed)
+            if fwd.captured is not None and not req.finished:
+                feats = fwd.captured[first : first + fed]
+                self.proposer.on_target_features(req, entry.prefix_len, feats)
