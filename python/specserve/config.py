@@ -118,7 +118,7 @@ class ModelConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            rope=_parse_rope(cfg),
+            rope=parse_rope(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -135,7 +135,7 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
 
 
-def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
+def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     # transformers >= 5: everything lives in ``rope_parameters``;
     # before: ``rope_theta`` at top level plus an optional ``rope_scaling`` dict.
     params = dict(cfg.get("rope_parameters") or {})

@@ -19,6 +19,7 @@ from specserve.engine.request_factory import GenerateRequest, Limits, RequestFac
 from specserve.engine.result import ResultCollector, format_output
 from specserve.grammar.base import GrammarBackend
 from specserve.runner.model_runner import ModelRunner
+from specserve.speculative.base import Proposer
 from specserve.speculative.factory import build_proposer
 from specserve.tokenizer.tokenizer import Tokenizer
 
@@ -34,13 +35,16 @@ class Engine:
     ``chunked_prefill_size``, ``max_running_requests``, ``logprobs_mode``, ...).
     """
 
-    def __init__(self, model_path: str | None = None, **engine_args: Any) -> None:
+    def __init__(
+        self, model_path: str | None = None, proposer: Proposer | None = None, **engine_args: Any
+    ) -> None:
+        """``proposer``: a custom draft proposer (instead of ``speculative_algorithm``)."""
         if model_path is None or not os.path.isdir(model_path):
             raise ValueError(f"model_path: {model_path!r} is not a directory")
         self.config = EngineConfig.from_kwargs(model_path, **engine_args)
         self.tokenizer = Tokenizer(self.config.tokenizer_path or model_path)
         self.runner = ModelRunner(self.config)
-        self.proposer = build_proposer(self.config, self.runner)
+        self.proposer = proposer or build_proposer(self.config, self.runner)
         self.core = EngineCore(self.config, self.runner, self.tokenizer, self.proposer)
         mc = self.runner.model_config
         self.eos_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
@@ -53,7 +57,7 @@ class Engine:
                 context_length=self.runner.context_length,
                 capacity_tokens=self.core.capacity_tokens,
                 max_top_logprobs=self.config.max_top_logprobs,
-                speculative=self.config.spec.enabled,
+                speculative=self.proposer is not None,
             ),
             self.grammar_backend,
         )

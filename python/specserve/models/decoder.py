@@ -136,9 +136,10 @@ class DecoderForCausalLM(nn.Module):
         capture_layer_ids: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final-normed hidden states ``[T, d]`` and the outputs of the chosen
-        layers (``[T, d]`` each, HF's ``hidden_states[i + 1]``)."""
+        layers (``[T, d]`` each, HF's ``hidden_states[i + 1]``; -1 is the
+        embedding output)."""
         h = self.model.embed_tokens(input_ids)
-        captured = []
+        captured = [h] if -1 in capture_layer_ids else []
         for i, layer in enumerate(self.model.layers):
             h = layer.forward(h, meta, backend)
             if i in capture_layer_ids:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.layers.linear import MergedLinear
@@ -64,31 +65,41 @@ def load_model(
 
 
 def load_weights(model: DecoderForCausalLM, files: list[str]) -> None:
-    params = dict(model.named_parameters())
+    """Loads a target checkpoint (``lm_head`` skipped when tied)."""
+    skip = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    what = f"{model.config.architecture} with {model.config.num_hidden_layers} layers"
+    load_state(model, files, what, skip)
+
+
+def checkpoint_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Checkpoint key -> the tensor it fills. Fused projections
+    (``model.packed_modules``) take their checkpoint parts shard by shard."""
+    packed = getattr(model, "packed_modules", {})
     modules = dict(model.named_modules())
-    # Checkpoint key -> (destination view, parameter it belongs to).
     expected: dict[str, torch.Tensor] = {}
-    for name, param in params.items():
+    for name, param in model.named_parameters():
         module_name, _, attr = name.rpartition(".")
         module = modules[module_name]
         if isinstance(module, MergedLinear):
             parent, _, fused = module_name.rpartition(".")
-            for shard, part in enumerate(model.packed_modules[fused]):
+            for shard, part in enumerate(packed[fused]):
                 expected[f"{parent}.{part}.{attr}"] = module.shard_view(attr, shard)
         else:
             expected[name] = param.data
-    tied = model.config.tie_word_embeddings
-    if tied:
-        expected.pop("lm_head.weight", None)
+    return expected
 
+
+def load_state(model: nn.Module, files: list[str], what: str, skip: set[str] = frozenset()) -> None:
+    """Fills every parameter of ``model`` from ``files``; keys in ``skip`` are
+    neither expected nor loaded. Errors name the file and the key."""
+    expected = {k: v for k, v in checkpoint_targets(model).items() if k not in skip}
     loaded: set[str] = set()
     for path, key, tensor in iter_checkpoint(files):
-        if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
+        if key.endswith(_IGNORED_SUFFIXES) or key in skip:
             continue
         if key not in expected:
             raise ValueError(
-                f"{path}: unexpected tensor {key!r} for {model.config.architecture} "
-                f"with {model.config.num_hidden_layers} layers (does config.json match the checkpoint?)"
+                f"{path}: unexpected tensor {key!r} for {what} (does config.json match the checkpoint?)"
             )
         dest = expected[key]
         if tuple(tensor.shape) != tuple(dest.shape):

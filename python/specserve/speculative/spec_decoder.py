@@ -96,7 +96,9 @@ class SpecDecoder:
             apply_bitmask(x, bitmask, list(range(x.shape[0])))
         return x
 
-    def finish_round(self, batch: ScheduledBatch, fwd: ForwardOutput, before: Sequence[int]) -> None:
+    def finish_round(
+        self, batch: ScheduledBatch, fwd: ForwardOutput, before: Sequence[int]
+    ) -> None:
         """Drops rejected K/V, counts the round, hands committed features on.
 
         ``before``: each step's output length before this step's commit.

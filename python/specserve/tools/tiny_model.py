@@ -125,3 +125,79 @@ def make_tiny_model(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return path
+
+
+def make_tiny_dspark(
+    path: str,
+    target_path: str,
+    *,
+    markov_rank: int = 8,
+    markov_head_type: str = "vanilla",
+    confidence_head: bool = True,
+    num_layers: int = 1,
+    block_size: int = 4,
+    target_layer_ids: tuple[int, ...] | None = None,
+    init_std: float = 0.08,
+    seed: int = 0,
+) -> str:
+    """A DeepSpec-format DSpark drafter with random weights for ``target_path``
+    (``markov_rank=0`` and no confidence head: a DFlash drafter)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from specserve.config import ModelConfig
+    from specserve.speculative.dspark_model import ARCHITECTURE, DSparkConfig, DSparkDraftModel
+
+    target = ModelConfig.from_path(target_path)
+    n = target.num_hidden_layers
+    ids = list(target_layer_ids if target_layer_ids is not None else range(max(0, n - 1)))
+    heads = target.num_attention_heads
+    cfg = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": target.hidden_size,
+        "intermediate_size": 2 * target.hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": target.num_key_value_heads,
+        "head_dim": target.head_dim,
+        "rms_norm_eps": target.rms_norm_eps,
+        "vocab_size": target.vocab_size,
+        "max_position_embeddings": target.max_position_embeddings,
+        "rope_theta": target.rope.theta,
+        "dtype": "float32",
+        "block_size": block_size,
+        "mask_token_id": 3,  # the tiny tokenizer's <|mask|>
+        "target_layer_ids": ids,
+        "num_target_layers": n,
+        "num_anchors": 64,
+        "markov_rank": markov_rank,
+        "markov_head_type": markov_head_type,
+        "enable_confidence_head": confidence_head,
+        "confidence_head_with_markov": confidence_head and markov_rank > 0,
+    }
+    torch.manual_seed(seed)
+    model = DSparkDraftModel(DSparkConfig.from_dict(cfg))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif p.dim() > 1:
+                p.normal_(0, init_std)
+            else:
+                p.normal_(0, init_std)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    # DeepSpec checkpoints carry copies of the target's embedding and lm_head.
+    tgt = {}
+    for f in sorted(os.listdir(target_path)):
+        if f.endswith(".safetensors"):
+            tgt.update(load_file(os.path.join(target_path, f)))
+    state["embed_tokens.weight"] = tgt["model.embed_tokens.weight"].clone()
+    state["lm_head.weight"] = tgt.get("lm_head.weight", tgt["model.embed_tokens.weight"]).clone()
+    os.makedirs(path, exist_ok=True)
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return path

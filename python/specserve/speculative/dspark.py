@@ -1,0 +1,271 @@
+"""The DSpark / DFlash proposer: draft context in paged K/V, one block per round.
+
+Per request it keeps the draft context of every committed position before
+the anchor: captured target features arrive after each prefill chunk and
+each verify round (only committed rows), are turned into context K/V on the
+next draft, and live in pages of a draft KV pool that are freed with the
+request (finish, abort or preemption; a recomputed request rebuilds its
+context from freshly captured features, never from stale slots).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.cache.block_pool import BlockPool
+from specserve.cache.kv_pool import KVPool
+from specserve.config import EngineConfig
+from specserve.engine.batch import BatchEntry, ForwardMode, ScheduledBatch
+from specserve.engine.request import Req
+from specserve.models.loader import checkpoint_files, load_state
+from specserve.runner.model_runner import ModelRunner
+from specserve.speculative.base import DraftProposal, Proposer
+from specserve.speculative.confidence import SpsTable, budget_lengths, profile_sps, static_lengths
+from specserve.speculative.dspark_model import DSparkConfig, DSparkDraftModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DSparkState:
+    pages: list[int] = field(default_factory=list)
+    ctx_len: int = 0  # positions whose context K/V are cached
+    pending: list[torch.Tensor] = field(default_factory=list)  # features of ctx_len..
+    pending_len: int = 0
+
+
+class DSparkProposer(Proposer):
+    def __init__(
+        self,
+        model: DSparkDraftModel,
+        block_size: int,
+        kv_pool: KVPool,
+        block_pool: BlockPool,
+        threshold: float = 0.0,
+        sps: SpsTable | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.max_drafts = block_size
+        self.capture_layer_ids = model.config.target_layer_ids
+        self.kv_pool = kv_pool
+        self.block_pool = block_pool
+        self.threshold = threshold
+        self.sps = sps  # budget mode when set
+        device = model.fc.weight.device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed + 1)
+
+    # ---- construction ----------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, runner: ModelRunner) -> DSparkProposer:
+        spec = config.spec
+        assert spec.draft_model_path is not None
+        dcfg = DSparkConfig.from_path(spec.draft_model_path)
+        tcfg = runner.model_config
+        _check_compatible(dcfg, tcfg.hidden_size, tcfg.vocab_size, tcfg.num_hidden_layers)
+        block = spec.block_size or dcfg.block_size
+        if block > dcfg.block_size:
+            raise ValueError(
+                f"speculative_dspark_block_size: {block} exceeds the drafter's block size {dcfg.block_size}"
+            )
+        if spec.num_draft_tokens is not None and spec.num_draft_tokens != block + 1:
+            raise ValueError(
+                f"speculative_num_draft_tokens must be the block size + 1 = {block + 1} for "
+                f"{spec.algorithm} (a verify chain is the anchor plus {block} drafts), "
+                f"got {spec.num_draft_tokens}"
+            )
+        dflash = spec.algorithm == "DFLASH"
+        model = load_draft_model(spec.draft_model_path, dcfg, runner, use_heads=not dflash)
+        kv = KVPool(
+            dcfg.num_hidden_layers, runner.num_pages, runner.page_size,
+            dcfg.num_key_value_heads, dcfg.head_dim, runner.dtype, runner.device,
+        )  # fmt: skip
+        blocks = BlockPool(runner.num_pages, runner.page_size)
+        sps = None
+        if spec.schedule == "budget" and model.use_confidence:
+            if spec.sps_table_path:
+                sps = SpsTable.load(spec.sps_table_path)
+            else:
+                sps = profile_runner(runner, block, config.scheduler.max_running_requests)
+        return cls(model, block, kv, blocks, spec.confidence_threshold, sps, config.random_seed)
+
+    # ---- state -------------------------------------------------------------------
+
+    def on_target_features(self, req: Req, start: int, features: torch.Tensor) -> None:
+        st = req.draft_state
+        if st is None:
+            st = req.draft_state = DSparkState()
+        assert start == st.ctx_len + st.pending_len, "context features must arrive in order"
+        st.pending.append(features)
+        st.pending_len += features.shape[0]
+
+    def release(self, req: Req) -> None:
+        st = req.draft_state
+        if st is not None:
+            self.block_pool.release(st.pages)
+        req.draft_state = None
+
+    def _flush(self, reqs: Sequence[Req]) -> None:
+        """Turns pending features into cached context K/V, for all requests at once."""
+        todo = [r for r in reqs if r.draft_state is not None and r.draft_state.pending]
+        if not todo:
+            return
+        ps = self.block_pool.page_size
+        feats, positions, slots = [], [], []
+        for r in todo:
+            st = r.draft_state
+            end = st.ctx_len + st.pending_len
+            need = self.block_pool.pages_for(end) - len(st.pages)
+            if need > 0:
+                pages = self.block_pool.allocate(need)
+                # Never fails: a request's draft context is shorter than its
+                # target KV, and both pools hold the same number of pages.
+                assert pages is not None, "draft KV pool exhausted"
+                st.pages.extend(pages)
+            feats.extend(st.pending)
+            pos = range(st.ctx_len, end)
+            positions.extend(pos)
+            slots.extend(st.pages[p // ps] * ps + p % ps for p in pos)
+            st.ctx_len, st.pending, st.pending_len = end, [], 0
+        device = self.model.fc.weight.device
+        features = torch.cat(feats).to(self.model.fc.weight.dtype)
+        pos_t = torch.tensor(positions, device=device)
+        slot_t = torch.tensor(slots, device=device)
+        for layer, (k, v) in enumerate(self.model.context_kv(features, pos_t)):
+            self.kv_pool.store(layer, slot_t, k, v)
+
+    def _gather_context(
+        self, reqs: Sequence[Req]
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """Per layer padded context K/V ``[R, L, Hkv, D]`` and the padding bias ``[R, L]``."""
+        ps = self.block_pool.page_size
+        device = self.model.fc.weight.device
+        width = max(1, max(len(r.draft_state.pages) for r in reqs))
+        table = torch.tensor(
+            [r.draft_state.pages + [0] * (width - len(r.draft_state.pages)) for r in reqs]
+        )
+        lens = torch.tensor([r.draft_state.ctx_len for r in reqs])
+        past = torch.arange(width * ps)[None, :] >= lens[:, None]
+        bias = torch.zeros(past.shape).masked_fill_(past, float("-inf")).to(device)
+        table = table.to(device)
+        ctx = []
+        for layer in range(len(self.model.layers)):
+            k, v = self.kv_pool.k[layer], self.kv_pool.v[layer]
+            shape = (len(reqs), width * ps, *k.shape[1:])
+            ctx.append(
+                (
+                    k.view(-1, ps, *k.shape[1:]).index_select(0, table.flatten()).view(shape),
+                    v.view(-1, ps, *v.shape[1:]).index_select(0, table.flatten()).view(shape),
+                )
+            )
+        return ctx, bias
+
+    # ---- proposing ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> DraftProposal:
+        self._flush(reqs)
+        for r in reqs:
+            assert r.draft_state is not None and r.draft_state.ctx_len == r.seq_len - 1, (
+                "the draft context must cover every position before the anchor"
+            )
+        device = self.model.fc.weight.device
+        ctx, bias = self._gather_context(reqs)
+        anchors = torch.tensor([r.output_ids[-1] for r in reqs], device=device)
+        starts = torch.tensor([r.seq_len - 1 for r in reqs], device=device)
+        hidden = self.model.block_hidden(anchors, starts, ctx, bias, self.max_drafts)
+        temps = torch.tensor(
+            [r.sampling.temperature if not r.sampling.greedy else 0.0 for r in reqs], device=device
+        )
+        tokens, probs, conf = self.model.draft(
+            hidden, anchors, temps, [r.generator for r in reqs], self.generator
+        )
+        token_lists = tokens.tolist()
+        conf_lists = conf.tolist() if conf is not None else None
+        out_tokens, out_q, out_conf = [], [], []
+        for i, (r, limit) in enumerate(zip(reqs, max_lens)):
+            out_tokens.append(token_lists[i][:limit])
+            out_q.append(None if r.sampling.greedy else probs[i, :limit])
+            if conf_lists is not None:
+                out_conf.append(conf_lists[i][:limit])
+        return DraftProposal(out_tokens, out_q, out_conf if conf_lists is not None else None)
+
+    def verify_lengths(self, proposal: DraftProposal) -> list[int]:
+        if proposal.confidence is None:
+            return [len(t) for t in proposal.tokens]
+        if self.sps is not None:
+            return budget_lengths(proposal.confidence, self.sps)
+        return static_lengths(proposal.confidence, self.threshold)
+
+
+def _check_compatible(dcfg: DSparkConfig, hidden: int, vocab: int, num_layers: int) -> None:
+    if dcfg.hidden_size != hidden or dcfg.vocab_size != vocab:
+        raise ValueError(
+            f"speculative_draft_model_path: the drafter (hidden {dcfg.hidden_size}, vocab "
+            f"{dcfg.vocab_size}) does not fit the target (hidden {hidden}, vocab {vocab})"
+        )
+    if dcfg.num_target_layers != num_layers:
+        raise ValueError(
+            f"speculative_draft_model_path: the drafter was made for a {dcfg.num_target_layers}-layer "
+            f"target, this one has {num_layers}"
+        )
+    ids = dcfg.target_layer_ids
+    if (
+        not ids
+        or any(b <= a for a, b in zip(ids, ids[1:]))
+        or ids[0] < -1
+        or ids[-1] > num_layers - 2
+    ):
+        raise ValueError(
+            f"speculative_draft_model_path: target_layer_ids {list(ids)} must be strictly increasing "
+            f"in [-1, {num_layers - 2}] (the last layer's output is normed and cannot be used)"
+        )
+
+
+def load_draft_model(
+    path: str, dcfg: DSparkConfig, runner: ModelRunner, use_heads: bool = True
+) -> DSparkDraftModel:
+    with torch.device("meta"):
+        model = DSparkDraftModel(dcfg, use_markov=use_heads, use_confidence=use_heads)
+    model = model.to_empty(device=runner.device).to(runner.dtype)
+    target = runner.model
+    skip: set[str] = set()
+    # The drafter's embedding and lm_head are copies of the target's: share them.
+    if model.embed_tokens.weight.shape == target.model.embed_tokens.weight.shape:
+        model.embed_tokens = target.model.embed_tokens
+        skip.add("embed_tokens.weight")
+    if model.lm_head.weight.shape == target.lm_head.weight.shape:
+        model.lm_head = target.lm_head
+        skip.add("lm_head.weight")
+    load_state(
+        model, checkpoint_files(path), f"{dcfg.num_hidden_layers}-layer DSpark drafter", skip
+    )
+    return model.eval()
+
+
+def profile_runner(runner: ModelRunner, block: int, max_running: int) -> SpsTable:
+    """Steps/s of verify forwards of B tokens (chains of block + 1), measured now."""
+    chain = block + 1
+    ps = runner.page_size
+    fits = runner.num_pages // -(-chain // ps)  # chains that fit the pool at once
+    counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= min(max_running, fits)]
+    sizes = sorted({n * chain for n in counts} | {1})
+
+    def forward(tokens: int) -> None:
+        entries, page = [], 0
+        for start in range(0, tokens, chain):
+            n = min(chain, tokens - start)
+            pages = list(range(page, page + -(-n // ps)))
+            page += len(pages)
+            entries.append(BatchEntry([0] * n, 0, pages, list(range(n))))
+        runner.forward(ScheduledBatch(ForwardMode.VERIFY, entries, []))
+
+    table = profile_sps(forward, sizes)
+    logger.info("verify steps/s by batch tokens: %s", {b: round(table(b), 1) for b in sizes})
+    return table

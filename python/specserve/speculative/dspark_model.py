@@ -1,0 +1,343 @@
+"""The DSpark draft network (DeepSpec's checkpoint format; ``markov_rank`` 0 is DFlash).
+
+Context features (the captured target layers of committed positions) are
+fused by ``fc`` + ``hidden_norm`` into ``H_ctx``; every draft layer projects
+``H_ctx`` to context keys/values (``k_norm`` on keys, RoPE at the context
+positions). A block ``[anchor, mask x (gamma - 1)]`` at positions
+``p .. p + gamma - 1`` attends, without a causal mask, to all context
+positions ``< p`` and to the whole block. Slot ``k`` predicts the token at
+``p + k + 1``; the Markov head adds a correction that depends on the token
+before it, which makes drafting left to right; the confidence head scores
+each draft.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.config import ModelConfig, RopeConfig, parse_rope
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rotary import RotaryEmbedding
+
+ARCHITECTURE = "Qwen3DSparkModel"
+MARKOV_TYPES = ("vanilla", "gated", "rnn")
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int
+    max_position_embeddings: int
+    rope: RopeConfig
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    attention_bias: bool = False
+
+    @classmethod
+    def from_path(cls, path: str) -> DSparkConfig:
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"speculative_draft_model_path: no config.json in {path!r}")
+        with open(cfg_path) as f:
+            return cls.from_dict(json.load(f), cfg_path)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> DSparkConfig:
+        archs = cfg.get("architectures") or []
+        if ARCHITECTURE not in archs:
+            raise ValueError(f"{source}: architectures must contain {ARCHITECTURE!r}, got {archs}")
+        for key in ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers"):
+            if key not in cfg:
+                raise ValueError(f"{source}: missing DSpark field {key!r}")
+        base = ModelConfig.from_dict({**cfg, "architectures": ["Qwen3ForCausalLM"]}, source)
+        rank = int(cfg.get("markov_rank", 0) or 0)
+        kind = str(cfg.get("markov_head_type", "vanilla") or "vanilla")
+        if rank and kind not in MARKOV_TYPES:
+            raise ValueError(
+                f"{source}: markov_head_type must be one of {MARKOV_TYPES}, got {kind!r}"
+            )
+        with_markov = bool(cfg.get("confidence_head_with_markov", False)) and rank > 0
+        return cls(
+            hidden_size=base.hidden_size,
+            intermediate_size=base.intermediate_size,
+            num_hidden_layers=base.num_hidden_layers,
+            num_attention_heads=base.num_attention_heads,
+            num_key_value_heads=base.num_key_value_heads,
+            head_dim=base.head_dim,
+            rms_norm_eps=base.rms_norm_eps,
+            vocab_size=base.vocab_size,
+            max_position_embeddings=base.max_position_embeddings,
+            rope=parse_rope(cfg),
+            block_size=int(cfg["block_size"]),
+            mask_token_id=int(cfg["mask_token_id"]),
+            target_layer_ids=tuple(int(i) for i in cfg["target_layer_ids"]),
+            num_target_layers=int(cfg["num_target_layers"]),
+            markov_rank=rank,
+            markov_head_type=kind,
+            enable_confidence_head=bool(cfg.get("enable_confidence_head", False)),
+            confidence_head_with_markov=with_markov,
+            attention_bias=base.attention_bias,
+        )
+
+
+class MarkovHead(nn.Module):
+    """The bigram-style correction ``B_k(x_{k-1})`` added to slot k's logits."""
+
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        r, d = cfg.markov_rank, cfg.hidden_size
+        self.kind = cfg.markov_head_type
+        self.rank = r
+        self.markov_w1 = nn.Embedding(cfg.vocab_size, r)
+        self.markov_w2 = nn.Linear(r, cfg.vocab_size, bias=False)
+        if self.kind == "gated":
+            self.gate_proj = nn.Linear(d + r, r)
+        elif self.kind == "rnn":
+            self.joint_proj = nn.Linear(2 * r + d, 3 * r)
+
+    def init_state(self, n: int, like: torch.Tensor) -> torch.Tensor | None:
+        return like.new_zeros(n, self.rank) if self.kind == "rnn" else None
+
+    def step(
+        self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``prev [n]`` token before the slot, ``h [n, d]`` the slot's output ->
+        logit correction ``[n, V]``, the next state, and ``W1[prev] [n, r]``."""
+        e = self.markov_w1(prev)  # [n, r]
+        if self.kind == "vanilla":
+            return self.markov_w2(e), state, e
+        if self.kind == "gated":
+            g = torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1)))
+            return self.markov_w2(g * e), state, e
+        assert state is not None
+        gate, cand, out = self.joint_proj(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)
+        keep = torch.sigmoid(gate)
+        state = keep * state + (1 - keep) * torch.tanh(cand)
+        return self.markov_w2(torch.tanh(out)), state, e
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, in_features: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(in_features, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.proj(features).squeeze(-1).float())
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        h, kv, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, h * dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv * dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv * dim, bias=bias)
+        self.o_proj = nn.Linear(h * dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(dim, cfg.rms_norm_eps)
+
+    def kv(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values ``[..., Hkv, D]`` of ``x [..., d]``."""
+        shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x).view(shape))
+        v = self.v_proj(x).view(shape)
+        return _rope(rotary, positions, k), v
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [R, G, d] block
+        positions: torch.Tensor,  # [R, G]
+        ctx_k: torch.Tensor,  # [R, L, Hkv, D]
+        ctx_v: torch.Tensor,
+        ctx_bias: torch.Tensor,  # [R, L]: 0 for a real context position, -inf for padding
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
+        r, g, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(r, g, self.num_heads, self.head_dim))
+        q = _rope(rotary, positions, q)
+        bk, bv = self.kv(x, positions, rotary)
+        k = torch.cat([ctx_k, bk], dim=1).transpose(1, 2)  # [R, Hkv, L + G, D]
+        v = torch.cat([ctx_v, bv], dim=1).transpose(1, 2)
+        bias = torch.cat([ctx_bias, ctx_bias.new_zeros(r, g)], dim=1)[:, None, None, :]
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k,
+            v,
+            attn_mask=bias.to(q.dtype),
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [R, H, G, D]: non-causal, the whole block sees itself
+        return self.o_proj(o.transpose(1, 2).reshape(r, g, -1))
+
+
+def _rope(rotary: RotaryEmbedding, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """RoPE for ``x [..., heads, D]`` at ``positions [...]``."""
+    flat = x.reshape(-1, *x.shape[-2:])
+    return rotary(positions.reshape(-1), flat).view(x.shape)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = DraftMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DSparkDraftModel(nn.Module):
+    def __init__(
+        self, cfg: DSparkConfig, use_markov: bool = True, use_confidence: bool = True
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        d = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.markov_head = MarkovHead(cfg) if cfg.markov_rank > 0 else None
+        self.confidence_head = None
+        if cfg.enable_confidence_head:
+            extra = cfg.markov_rank if cfg.confidence_head_with_markov else 0
+            self.confidence_head = ConfidenceHead(d + extra)
+        # DFlash runs a DSpark checkpoint without its Markov and confidence heads.
+        self.use_markov = use_markov and self.markov_head is not None
+        self.use_confidence = use_confidence and self.confidence_head is not None
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+
+    # ---- context ------------------------------------------------------------
+
+    def context_kv(
+        self, features: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, keys/values ``[n, Hkv, D]`` of context features ``[n, m * d]``."""
+        h_ctx = self.hidden_norm(self.fc(features))  # [n, d], the same for every layer
+        return [layer.self_attn.kv(h_ctx, positions, self.rotary) for layer in self.layers]
+
+    # ---- the block ----------------------------------------------------------
+
+    def block_hidden(
+        self,
+        anchors: torch.Tensor,  # [R]
+        starts: torch.Tensor,  # [R]: each anchor's position p
+        ctx: list[tuple[torch.Tensor, torch.Tensor]],  # per layer [R, L, Hkv, D] padded
+        ctx_bias: torch.Tensor,  # [R, L]
+        block_size: int,
+    ) -> torch.Tensor:
+        """Final-normed outputs ``[R, gamma, d]`` of the blocks ``[anchor, mask...]``."""
+        r = anchors.shape[0]
+        ids = torch.full((r, block_size), self.config.mask_token_id, device=anchors.device)
+        ids[:, 0] = anchors
+        positions = starts[:, None] + torch.arange(block_size, device=anchors.device)  # [R, G]
+        x = self.embed_tokens(ids)
+        for layer, (ck, cv) in zip(self.layers, ctx):
+            x = x + layer.self_attn(
+                layer.input_layernorm(x), positions, ck, cv, ctx_bias, self.rotary
+            )
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def draft(
+        self,
+        hidden: torch.Tensor,  # [R, gamma, d]
+        anchors: torch.Tensor,  # [R]
+        temperatures: torch.Tensor,  # [R]; 0 = greedy
+        noise: list[torch.Generator | None] | None = None,
+        shared: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Walks the block left to right: drafts ``[R, gamma]``, the (Markov
+        corrected, temperature-scaled) probabilities they were drawn from
+        ``[R, gamma, V]`` (one-hot for greedy rows) and confidences ``[R, gamma]``."""
+        base = self.lm_head(hidden).float()  # [R, G, V]
+        r, g, vocab = base.shape
+        prev = anchors
+        state = self.markov_head.init_state(r, hidden) if self.use_markov else None
+        tokens, probs, confs = [], [], []
+        greedy = temperatures <= 0
+        for k in range(g):
+            logits = base[:, k]
+            prev_embed = None
+            if self.use_markov:
+                bias, state, prev_embed = self.markov_head.step(prev, hidden[:, k], state)
+                logits = logits + bias.float()
+            if self.use_confidence:
+                feats = hidden[:, k]
+                if self.config.confidence_head_with_markov and prev_embed is not None:
+                    feats = torch.cat([feats, prev_embed], dim=-1)
+                confs.append(self.confidence_head(feats))
+            p = torch.softmax(logits / torch.where(greedy, 1.0, temperatures)[:, None], dim=-1)
+            choice = _draw(p, logits, greedy, noise, shared)
+            p = torch.where(greedy[:, None], F.one_hot(choice, vocab).float(), p)
+            tokens.append(choice)
+            probs.append(p)
+            prev = choice
+        conf = torch.stack(confs, dim=1) if confs else None
+        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1), conf
+
+    # ---- reference ----------------------------------------------------------
+
+    def naive_block(self, features: torch.Tensor, anchor: int, block_size: int) -> torch.Tensor:
+        """One block from scratch (no cache) over context features ``[p, m * d]``
+        of positions ``0..p-1``: the oracle for the cached path, and the shape
+        of a training forward."""
+        p = features.shape[0]
+        positions = torch.arange(p, device=features.device)
+        ctx = [(k[None], v[None]) for k, v in self.context_kv(features, positions)]
+        bias = features.new_zeros(1, p)
+        anchors = torch.tensor([anchor], device=features.device)
+        starts = torch.tensor([p], device=features.device)
+        return self.block_hidden(anchors, starts, ctx, bias, block_size)[0]
+
+
+def _draw(
+    probs: torch.Tensor,
+    logits: torch.Tensor,
+    greedy: torch.Tensor,
+    noise: list[torch.Generator | None] | None,
+    shared: torch.Generator | None,
+) -> torch.Tensor:
+    """Argmax for greedy rows; an exponential race (seeded rows from their own
+    generator) for the others."""
+    out = logits.argmax(dim=-1)
+    sampled = (~greedy).nonzero().flatten().tolist()
+    for i in sampled:
+        gen = noise[i] if noise is not None and noise[i] is not None else shared
+        e = torch.empty_like(probs[i]).exponential_(generator=gen)
+        out[i] = (probs[i] / e).argmax()
+    return out
