@@ -210,13 +210,17 @@ class SpecConfig:
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"speculative_dspark_block_size must be >= 1, got {self.block_size}")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 2:
-            raise ValueError(f"speculative_num_draft_tokens must be >= 2, got {self.num_draft_tokens}")
+            raise ValueError(
+                f"speculative_num_draft_tokens must be >= 2, got {self.num_draft_tokens}"
+            )
         if not 0.0 <= self.confidence_threshold <= 1.0:
             raise ValueError(
                 f"speculative_dspark_confidence_threshold must be in [0, 1], got {self.confidence_threshold}"
             )
         if self.schedule not in ("static", "budget"):
-            raise ValueError(f"speculative_dspark_schedule must be static or budget, got {self.schedule!r}")
+            raise ValueError(
+                f"speculative_dspark_schedule must be static or budget, got {self.schedule!r}"
+            )
         if not 1 <= self.ngram_min_match <= self.ngram_max_match:
             raise ValueError(
                 "speculative_ngram_min_match must be >= 1 and <= speculative_ngram_max_match, "

@@ -45,11 +45,8 @@ class ReqStep:
     drafts: list[int] = field(default_factory=list)
     draft_q: torch.Tensor | None = None  # [len(drafts), V], None: one-hot drafts
     verify: bool = False
-
-    @property
-    def decoding(self) -> bool:
-        """Feeds only the last generated token (the anchor of a speculative round)."""
-        return self.sample and self.num_input_logprob_rows == 0 and bool(self.req.output_ids)
+    # Feeds only the last generated token: the anchor of a speculative round.
+    decoding: bool = False
 
 
 @dataclass

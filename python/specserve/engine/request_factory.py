@@ -145,7 +145,9 @@ class RequestFactory:
         if not isinstance(return_logprob, bool):
             raise ValueError(f"return_logprob must be a boolean, got {return_logprob!r}")
         if return_logprob and lim.speculative:
-            raise ValueError("return_logprob: logprobs are not yet supported with speculative decoding")
+            raise ValueError(
+                "return_logprob: logprobs are not yet supported with speculative decoding"
+            )
         start = -1 if logprob_start_len is None else logprob_start_len
         if not isinstance(start, int) or isinstance(start, bool) or not -1 <= start < len(ids):
             raise ValueError(

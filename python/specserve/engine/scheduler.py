@@ -168,8 +168,9 @@ class Scheduler:
             if sample:
                 rows.append(n - 1)
             entries.append(BatchEntry(req.tokens_from(start, end), start, req.page_table, rows))
-            steps.append(ReqStep(req, q_lo, num_in, sample))
-            decode_only &= n == 1 and sample and num_in == 0
+            decoding = n == 1 and sample and num_in == 0 and bool(req.output_ids)
+            steps.append(ReqStep(req, q_lo, num_in, sample, decoding=decoding))
+            decode_only &= decoding
         mode = ForwardMode.DECODE if decode_only else ForwardMode.EXTEND
         return ScheduledBatch(mode, entries, steps)
 

@@ -61,7 +61,7 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, checkpoint_files(model_path))
     model.post_load()
-    return model.eval()
+    return model.requires_grad_(False).eval()
 
 
 def load_weights(model: DecoderForCausalLM, files: list[str]) -> None:

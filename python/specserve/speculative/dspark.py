@@ -246,7 +246,7 @@ def load_draft_model(
     load_state(
         model, checkpoint_files(path), f"{dcfg.num_hidden_layers}-layer DSpark drafter", skip
     )
-    return model.eval()
+    return model.requires_grad_(False).eval()
 
 
 def profile_runner(runner: ModelRunner, block: int, max_running: int) -> SpsTable:

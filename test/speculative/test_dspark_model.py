@@ -1,0 +1,203 @@
+"""The DSpark drafter: cached incremental drafting against a from-scratch
+forward, the Markov heads against their equations, checkpoint loading."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models_zoo import model_path
+from specserve.config import EngineConfig
+from specserve.engine.request import Req
+from specserve.runner.model_runner import ModelRunner
+from specserve.sampling.params import SamplingParams
+from specserve.speculative.dspark import DSparkProposer
+from specserve.tools.tiny_model import make_tiny_dspark
+
+KINDS = ("vanilla", "gated", "rnn")
+
+
+@pytest.fixture(scope="module")
+def drafters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafters")
+    target = model_path("qwen3")
+    paths = {
+        k: make_tiny_dspark(str(root / k), target, markov_head_type=k, num_layers=2, seed=i)
+        for i, k in enumerate(KINDS)
+    }
+    paths["dflash"] = make_tiny_dspark(
+        str(root / "dflash"), target, markov_rank=0, confidence_head=False
+    )
+    return paths
+
+
+def proposer_for(path: str, **kw) -> tuple[DSparkProposer, ModelRunner]:
+    cfg = EngineConfig.from_kwargs(
+        model_path("qwen3"),
+        device="cpu",
+        max_total_tokens=512,
+        page_size=4,
+        speculative_algorithm="DSPARK",
+        speculative_draft_model_path=path,
+        **kw,
+    )
+    runner = ModelRunner(cfg)
+    return DSparkProposer.from_config(cfg, runner), runner
+
+
+def features(n: int, width: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, width, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cached_rounds_equal_a_from_scratch_forward(drafters, kind) -> None:
+    prop, _ = proposer_for(drafters[kind])
+    model = prop.model
+    width = model.fc.in_features
+    block = prop.max_drafts
+    sp = SamplingParams(temperature=1.0, seed=11)
+    reqs = [Req("a", [5] * 7, sp), Req("b", [6] * 3, sp)]  # different context lengths: padding
+    feats = {"a": features(20, width, 1), "b": features(20, width, 2)}
+    for r in reqs:
+        prop.on_target_features(r, 0, feats[r.rid][: r.prompt_len])
+        r.output_ids = [40 + len(r.rid)]
+    for rnd in range(3):
+        for r in reqs:
+            r.generator = torch.Generator().manual_seed(100 + rnd)
+        got = prop.propose(reqs, [block, block])
+        for i, r in enumerate(reqs):
+            p = r.seq_len - 1
+            hidden = model.naive_block(feats[r.rid][:p], r.output_ids[-1], block)
+            gen = torch.Generator().manual_seed(100 + rnd)
+            tokens, probs, conf = model.draft(
+                hidden[None], torch.tensor([r.output_ids[-1]]), torch.tensor([1.0]), [gen]
+            )
+            assert got.tokens[i] == tokens[0].tolist()
+            torch.testing.assert_close(got.q[i], probs[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.tensor(got.confidence[i]), conf[0], atol=1e-5, rtol=0)
+        # Commit two more positions per request: their features extend the context.
+        for r in reqs:
+            start = r.seq_len - 1
+            prop.on_target_features(r, start, feats[r.rid][start : start + 2])
+            r.output_ids += [50, 51]
+    for r in reqs:
+        prop.release(r)
+    assert prop.block_pool.free_pages() == prop.block_pool.total_pages()
+
+
+def test_markov_heads_follow_their_equations(drafters) -> None:
+    """The draft loop against the equations of dspark.md written out here."""
+    for kind in KINDS:
+        prop, _ = proposer_for(drafters[kind])
+        m, mh = prop.model, prop.model.markov_head
+        g = torch.Generator().manual_seed(3)
+        hidden = torch.randn(1, prop.max_drafts, m.config.hidden_size, generator=g)
+        anchor = torch.tensor([9])
+        tokens, _, conf = m.draft(hidden, anchor, torch.tensor([0.0]))
+        prev, s = 9, torch.zeros(mh.rank)
+        for k in range(prop.max_drafts):
+            h = hidden[0, k]
+            e = mh.markov_w1.weight[prev]
+            if kind == "vanilla":
+                bias = mh.markov_w2.weight @ e
+            elif kind == "gated":
+                gate = torch.sigmoid(mh.gate_proj.weight @ torch.cat([h, e]) + mh.gate_proj.bias)
+                bias = mh.markov_w2.weight @ (gate * e)
+            else:
+                z = mh.joint_proj.weight @ torch.cat([s, e, h]) + mh.joint_proj.bias
+                gg, cc, oo = z.chunk(3)
+                s = torch.sigmoid(gg) * s + (1 - torch.sigmoid(gg)) * torch.tanh(cc)
+                bias = mh.markov_w2.weight @ torch.tanh(oo)
+            logits = m.lm_head.weight @ h + bias
+            expect_conf = torch.sigmoid(
+                m.confidence_head.proj.weight @ torch.cat([h, e]) + m.confidence_head.proj.bias
+            )
+            assert int(tokens[0, k]) == int(logits.argmax())
+            assert float(conf[0, k]) == pytest.approx(float(expect_conf), abs=1e-5)
+            prev = int(logits.argmax())
+
+
+def test_dflash_ignores_the_markov_and_confidence_heads(drafters) -> None:
+    for path in (drafters["dflash"], drafters["vanilla"]):
+        cfg = EngineConfig.from_kwargs(
+            model_path("qwen3"),
+            device="cpu",
+            max_total_tokens=256,
+            speculative_algorithm="DFLASH",
+            speculative_draft_model_path=path,
+        )
+        prop = DSparkProposer.from_config(cfg, ModelRunner(cfg))
+        hidden = torch.randn(2, prop.max_drafts, prop.model.config.hidden_size)
+        tokens, _, conf = prop.model.draft(hidden, torch.tensor([1, 2]), torch.zeros(2))
+        assert conf is None
+        assert torch.equal(tokens, F.linear(hidden, prop.model.lm_head.weight).argmax(-1))
+
+
+def test_checkpoint_round_trip_and_shared_embedding(drafters) -> None:
+    from safetensors.torch import load_file
+
+    prop, runner = proposer_for(drafters["gated"])
+    saved = load_file(os.path.join(drafters["gated"], "model.safetensors"))
+    state = prop.model.state_dict()
+    for key, value in saved.items():
+        assert torch.equal(state[key], value), key
+    assert prop.model.embed_tokens is runner.model.model.embed_tokens
+    assert prop.model.lm_head is runner.model.lm_head
+
+
+def edited(src: str, dst: str, **changes) -> str:
+    import shutil
+
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dst
+
+
+def test_startup_errors(drafters, tmp_path) -> None:
+    from specserve import Engine
+
+    path = drafters["vanilla"]
+    cases = [
+        (
+            dict(speculative_num_draft_tokens=4),
+            "speculative_num_draft_tokens must be the block size \\+ 1 = 5",
+        ),
+        (dict(speculative_dspark_block_size=9), "exceeds the drafter's block size"),
+        (
+            dict(
+                speculative_draft_model_path=edited(path, str(tmp_path / "a"), num_target_layers=5)
+            ),
+            "5-layer target",
+        ),
+        (
+            dict(
+                speculative_draft_model_path=edited(path, str(tmp_path / "b"), target_layer_ids=[1])
+            ),
+            "target_layer_ids",
+        ),
+        (
+            dict(
+                speculative_draft_model_path=edited(path, str(tmp_path / "c"), architectures=["X"])
+            ),
+            "Qwen3DSparkModel",
+        ),
+        (dict(speculative_draft_model_path=None), "speculative_draft_model_path is required"),
+    ]
+    for extra, message in cases:
+        kwargs = dict(
+            speculative_algorithm="DSPARK",
+            speculative_draft_model_path=path,
+            device="cpu",
+            max_total_tokens=256,
+        )
+        kwargs.update(extra)
+        with pytest.raises(ValueError, match=message):
+            Engine(model_path=model_path("qwen3"), **kwargs)

@@ -1,0 +1,283 @@
+"""Speculative decoding through the Engine against plain decoding of the same
+target: identical greedy output, the target's sampling distribution, and
+every page (target and draft) back at the end."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from models_zoo import model_path, random_prompts
+from specserve import Engine
+from specserve.engine.request import Req
+from specserve.speculative.base import DraftProposal, Proposer
+from specserve.tools.tiny_model import make_tiny_dspark
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def drafters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec-drafters")
+    target = model_path("qwen3")
+    return {
+        "vanilla": make_tiny_dspark(str(root / "v"), target, markov_head_type="vanilla"),
+        "gated": make_tiny_dspark(str(root / "g"), target, markov_head_type="gated", seed=1),
+        "rnn": make_tiny_dspark(str(root / "r"), target, markov_head_type="rnn", seed=2),
+        "dflash": make_tiny_dspark(
+            str(root / "d"), target, markov_rank=0, confidence_head=False, seed=3
+        ),
+    }
+
+
+def engine(spec: dict | None = None, proposer: Proposer | None = None, **kw) -> Engine:
+    kw.setdefault("max_total_tokens", 4096)
+    kw.setdefault("page_size", 4)
+    return Engine(
+        model_path=model_path("qwen3"), device="cpu", proposer=proposer, **(spec or {}), **kw
+    )
+
+
+def assert_all_free(eng: Engine) -> None:
+    assert eng.free_pages() == eng.total_pages()
+    prop = eng.proposer
+    pool = getattr(prop, "block_pool", None)
+    if pool is not None:
+        assert pool.free_pages() == pool.total_pages()
+    assert eng.stats()["running"] == 0 and eng.stats()["queued"] == 0
+
+
+@pytest.fixture(scope="module")
+def plain():
+    eng = engine()
+    yield eng
+    eng.shutdown()
+
+
+PROMPTS = random_prompts(5, [3, 11, 26, 7, 40], seed=51) + [[7, 8, 9, 10] * 6]
+
+
+def spec_configs(drafters) -> dict[str, dict]:
+    out = {
+        f"dspark-{k}": {
+            "speculative_algorithm": "DSPARK",
+            "speculative_draft_model_path": drafters[k],
+        }
+        for k in ("vanilla", "gated", "rnn")
+    }
+    out["dflash"] = {
+        "speculative_algorithm": "DFLASH",
+        "speculative_draft_model_path": drafters["dflash"],
+    }
+    out["ngram"] = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5}
+    out["dspark-threshold"] = {
+        **out["dspark-vanilla"],
+        "speculative_dspark_confidence_threshold": 0.5,
+    }
+    out["dspark-budget"] = {**out["dspark-gated"], "speculative_dspark_schedule": "budget"}
+    return out
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "dspark-vanilla",
+        "dspark-gated",
+        "dspark-rnn",
+        "dflash",
+        "ngram",
+        "dspark-threshold",
+        "dspark-budget",
+    ],
+)
+def test_greedy_output_equals_plain_decoding(plain, drafters, name) -> None:
+    expected = [o["output_ids"] for o in plain.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    eng = engine(spec_configs(drafters)[name], chunked_prefill_size=8)
+    try:
+        outs = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == expected
+        for o in outs:
+            meta = o["meta_info"]
+            assert meta["spec_verify_ct"] > 0 and 1.0 <= meta["spec_accept_length"] <= 5.0
+        if name == "dspark-budget":
+            assert eng.proposer.sps is not None  # profiled at start-up
+        assert eng.stats()["spec_accept_length"] >= 1.0
+        assert_all_free(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_small_kv_pool_preempts_and_stays_lossless(plain, drafters) -> None:
+    expected = [o["output_ids"] for o in plain.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    for name in ("dspark-rnn", "ngram"):
+        eng = engine(spec_configs(drafters)[name], max_total_tokens=96, chunked_prefill_size=16)
+        try:
+            outs = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+            assert [o["output_ids"] for o in outs] == expected
+            assert eng.core.scheduler.num_preemptions > 0
+            assert_all_free(eng)
+        finally:
+            eng.shutdown()
+
+
+class OracleProposer(Proposer):
+    """Proposes the target's own greedy continuation, corrupted at a chosen
+    draft index each round, so that the accept length of round k is known."""
+
+    def __init__(
+        self, continuations: dict[str, list[int]], schedule: list[int], max_drafts: int
+    ) -> None:
+        self.continuations = continuations
+        self.schedule = schedule
+        self.max_drafts = max_drafts
+        self.planned: dict[str, list[int]] = {}
+        self.observed: dict[str, list[int]] = {}
+        self.last_len: dict[str, int] = {}
+
+    def propose(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> DraftProposal:
+        out = []
+        for r, limit in zip(reqs, max_lens):
+            plan = self.planned.setdefault(r.rid, [])
+            if r.rid in self.last_len:  # what the last round committed tells its accept length
+                self.observed.setdefault(r.rid, []).append(
+                    len(r.output_ids) - self.last_len[r.rid] - 1
+                )
+            self.last_len[r.rid] = len(r.output_ids)
+            truth = self.continuations[r.rid][len(r.output_ids) : len(r.output_ids) + limit]
+            cut = self.schedule[len(plan) % len(self.schedule)]
+            drafts = list(truth)
+            if cut < len(drafts):
+                drafts[cut] = (drafts[cut] + 1) % 500
+            plan.append(min(cut, len(drafts)))
+            out.append(drafts)
+        return DraftProposal(out, [None] * len(reqs))
+
+
+def test_every_accept_length_is_exercised(plain) -> None:
+    prompts = random_prompts(3, [6, 13, 9], seed=52)
+    sp = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=sp)]
+    rids = ["p0", "p1", "p2"]
+    schedule = [0, 4, 1, 3, 2, 4, 0]  # with 4 drafts: every accept length 0..4
+    oracle = OracleProposer(dict(zip(rids, expected)), schedule, max_drafts=4)
+    eng = engine(proposer=oracle)
+    try:
+        outs = eng.generate(input_ids=prompts, sampling_params=sp, rid=rids)
+        assert [o["output_ids"] for o in outs] == expected
+        seen = set()
+        for rid in rids:
+            planned, observed = oracle.planned[rid], oracle.observed[rid]
+            assert observed == planned[: len(observed)]
+            seen.update(observed)
+        assert seen == {0, 1, 2, 3, 4}
+        assert_all_free(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_stop_strings_and_limits_inside_accepted_runs(plain) -> None:
+    """Perfect drafts: every round accepts a whole run, so each stop lands inside one."""
+    prompt = random_prompts(1, [9], seed=54)[0]
+    base = plain.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 60})
+    text, ids = base["text"], base["output_ids"]
+    cases = [
+        {**GREEDY, "max_new_tokens": 13},
+        {**GREEDY, "stop_token_ids": [ids[9]]},
+        {**GREEDY, "stop": [text[len(text) // 2 : len(text) // 2 + 3]]},
+    ]
+    for i, sp in enumerate(cases):
+        oracle = OracleProposer({f"s{i}": ids}, [99], max_drafts=4)
+        eng = engine(proposer=oracle)
+        try:
+            want = plain.generate(input_ids=prompt, sampling_params=sp)
+            got = eng.generate(input_ids=prompt, sampling_params=sp, rid=f"s{i}")
+            assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"]
+            assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+            assert got["meta_info"]["spec_accept_length"] > 3.0
+            assert_all_free(eng)
+        finally:
+            eng.shutdown()
+
+
+def test_json_schema_grammar_under_speculation(plain, drafters) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 999},
+            "k": {"enum": ["aa", "bb"]},
+        },
+        "required": ["n", "k"],
+    }
+    sp = {"json_schema": json.dumps(schema), "temperature": 0, "max_new_tokens": 60}
+    prompts = random_prompts(3, [4, 9, 15], seed=53)
+    expected = plain.generate(input_ids=prompts, sampling_params=sp)
+    for name in ("dspark-vanilla", "ngram"):
+        eng = engine(spec_configs(drafters)[name])
+        try:
+            outs = eng.generate(input_ids=prompts, sampling_params=sp)
+            for o, e in zip(outs, expected):
+                assert o["output_ids"] == e["output_ids"]
+                jsonschema.validate(json.loads(o["text"]), schema)
+            assert eng.stats()["grammar_matchers"] == 0
+            assert_all_free(eng)
+        finally:
+            eng.shutdown()
+
+
+def test_sampling_matches_plain_decoding_on_a_tiny_vocabulary(plain, drafters) -> None:
+    """Six allowed tokens (logit bias -100 elsewhere): the drafter, which knows
+    nothing of the bias, keeps proposing forbidden tokens; rejection sampling
+    must still give the plain distribution, at the first and at a later token."""
+    allowed = [20, 21, 22, 23, 24, 25]
+    bias = {t: -100.0 for t in range(528) if t not in allowed}
+    n = 600
+    sps = [
+        {
+            "temperature": 1.3,
+            "max_new_tokens": 4,
+            "ignore_eos": True,
+            "seed": 1000 + i,
+            "logit_bias": bias,
+        }
+        for i in range(n)
+    ]
+    prompt = [30, 31, 32]
+    eng = engine(spec_configs(drafters)["dspark-gated"], max_running_requests=64)
+    try:
+        spec_outs = eng.generate(input_ids=[prompt] * n, sampling_params=sps)
+        assert_all_free(eng)
+    finally:
+        eng.shutdown()
+    plain_outs = plain.generate(
+        input_ids=[prompt] * n, sampling_params=[{**s, "seed": s["seed"] + 10**6} for s in sps]
+    )
+    for position in (0, 3):
+        a = torch.bincount(
+            torch.tensor([allowed.index(o["output_ids"][position]) for o in spec_outs]), minlength=6
+        )
+        b = torch.bincount(
+            torch.tensor([allowed.index(o["output_ids"][position]) for o in plain_outs]),
+            minlength=6,
+        )
+        # Chi-square test of homogeneity (5 dof): 20.5 is the 0.999 quantile.
+        total = (a + b).float()
+        expect_a = total * n / (2 * n)
+        chi2 = (
+            ((a - expect_a) ** 2 / expect_a.clamp(min=1e-9))
+            + ((b - expect_a) ** 2 / expect_a.clamp(min=1e-9))
+        ).sum()
+        assert float(chi2) < 20.5, (position, a.tolist(), b.tolist())
+
+
+def test_logprobs_with_speculation_are_refused_for_now(drafters) -> None:
+    eng = engine(spec_configs(drafters)["ngram"])
+    try:
+        with pytest.raises(ValueError, match="^return_logprob: .*not yet supported"):
+            eng.generate("x", {"max_new_tokens": 3}, return_logprob=True)
+    finally:
+        eng.shutdown()

@@ -1,0 +1,101 @@
+"""The shared acceptance rule against exact distributions on a tiny vocabulary."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from specserve.sampling.params import SamplingParams
+from specserve.speculative.verify import target_probs, verify_chain
+
+V = 6
+
+
+def test_greedy_accepts_while_drafts_equal_the_argmax() -> None:
+    logits = torch.eye(V)[[2, 4, 1, 5]] * 5  # argmax per row: 2, 4, 1, 5
+    g = torch.Generator().manual_seed(0)
+    greedy = SamplingParams(temperature=0)
+    for drafts, expect, accepted in (
+        ([2, 4, 1], [2, 4, 1, 5], 3),  # all accepted, bonus from the last row
+        ([2, 4, 0], [2, 4, 1], 2),
+        ([3, 4, 1], [2], 0),
+    ):
+        assert verify_chain(logits, drafts, None, greedy, g) == (expect, accepted)
+    assert verify_chain(logits[:1], [], None, greedy, g) == ([2], 0)
+
+
+def chain_distribution(p_rows, q_rows, draft_probs, n, seed, params):
+    """Empirical distribution of the first two committed tokens."""
+    g = torch.Generator().manual_seed(seed)
+    counts: dict[tuple[int, int], int] = {}
+    first = torch.zeros(V)
+    for _ in range(n):
+        drafts = [int(torch.multinomial(draft_probs[j], 1, generator=g)) for j in range(2)]
+        q = None if q_rows is None else q_rows
+        tokens, accepted = verify_chain(p_rows, drafts, q, params, g)
+        first[tokens[0]] += 1
+        if accepted >= 1:
+            key = (tokens[0], tokens[1])
+            counts[key] = counts.get(key, 0) + 1
+    return first / n, counts
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_rejection_sampling_reproduces_the_target_distribution(one_hot) -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, V, generator=g) * 1.5
+    params = SamplingParams(temperature=0.8)
+    p = target_probs(logits, params)
+    draft = torch.softmax(torch.randn(2, V, generator=g) * 2, dim=-1)  # a poor drafter
+    n = 20000
+    if one_hot:
+        # Deterministic drafts: always propose token 3 then 1 (q is one-hot).
+        draft = torch.zeros(2, V)
+        draft[0, 3] = draft[1, 1] = 1.0
+    first, _ = chain_distribution(logits, None if one_hot else draft, draft, n, 7, params)
+    assert 0.5 * (first - p[0]).abs().sum() < 0.02
+
+
+def test_second_token_follows_the_target_after_an_accepted_draft() -> None:
+    """P(x1, x2) over pairs equals p0(x1) * p1(x2) wherever x1 was accepted as a draft
+    (the verify rows do not depend on x1 here, so p1 is the same row for all x1)."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, V, generator=g)
+    params = SamplingParams(temperature=1.0)
+    p = target_probs(logits, params)
+    draft = torch.softmax(torch.randn(2, V, generator=g), dim=-1)
+    n = 40000
+    gen = torch.Generator().manual_seed(3)
+    seconds = torch.zeros(V)
+    for _ in range(n):
+        drafts = [int(torch.multinomial(draft[j], 1, generator=gen)) for j in range(2)]
+        tokens, accepted = verify_chain(logits, drafts, draft, params, gen)
+        if accepted >= 1:
+            seconds[tokens[1]] += 1
+    seconds /= seconds.sum()
+    assert 0.5 * (seconds - p[1]).abs().sum() < 0.03
+
+
+def test_top_k_and_top_p_are_respected() -> None:
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0, -2.0]] * 2)
+    params = SamplingParams(temperature=1.0, top_k=2)
+    g = torch.Generator().manual_seed(4)
+    seen = set()
+    for _ in range(300):
+        tokens, _ = verify_chain(logits, [5], None, params, g)  # a draft outside the top 2
+        seen.add(tokens[0])
+    assert seen <= {0, 1}
+    probs = target_probs(logits, SamplingParams(top_p=0.5))
+    assert torch.count_nonzero(probs[0]) == 1
+
+
+def test_every_accept_length_is_reachable_greedily() -> None:
+    target = [1, 2, 3, 4]
+    logits = torch.eye(V)[target + [0]] * 3
+    g = torch.Generator().manual_seed(0)
+    for cut, bad in itertools.product(range(5), [5]):
+        drafts = target[:cut] + [bad] * (4 - cut)
+        tokens, accepted = verify_chain(logits, drafts, None, SamplingParams(temperature=0), g)
+        assert accepted == cut and tokens == target[:cut] + [logits[cut].argmax().item()]
