@@ -71,7 +71,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             "context_length": lim.context_length,
             "max_total_num_tokens": lim.capacity_tokens,
             "stats": engine.stats(),
-            "speculative": None,
+            "speculative": _spec_info(engine),
         }
 
     @app.post("/tokenize")
@@ -122,6 +122,19 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _spec_info(engine: Engine) -> dict[str, Any] | None:
+    if engine.proposer is None:
+        return None
+    st = engine.stats()
+    return {
+        "algorithm": engine.config.spec.algorithm,
+        "draft_model_path": engine.config.spec.draft_model_path,
+        "max_drafts": engine.proposer.max_drafts,
+        "mean_accept_length": st["spec_accept_length"],
+        "verify_rounds": st["spec_verify_rounds"],
+    }
 
 
 def _install_auth(app: FastAPI, api_key: str) -> None:

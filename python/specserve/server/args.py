@@ -9,10 +9,13 @@ from typing import Any
 from specserve.config import (
     LOG_LEVELS,
     LOGPROBS_MODES,
+    SPEC_ALGORITHMS,
+    SPEC_ARG_NAMES,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
     ServerConfig,
+    SpecConfig,
 )
 
 
@@ -84,6 +87,64 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_spec_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument(
+        "--speculative-algorithm",
+        type=str.upper,
+        choices=SPEC_ALGORITHMS,
+        default=None,
+        help="DSPARK (block drafter + Markov and confidence heads), DFLASH (the same drafter "
+        "without those heads), NGRAM (prompt lookup, no network)",
+    )
+    g.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        help="DeepSpec-format DSpark/DFlash drafter directory",
+    )
+    g.add_argument(
+        "--speculative-dspark-block-size",
+        type=int,
+        default=None,
+        help="drafts per round (default: the drafter's block_size)",
+    )
+    g.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=None,
+        help="verify chain length, anchor included (DSpark: block size + 1; n-gram: default 8)",
+    )
+    g.add_argument(
+        "--speculative-dspark-confidence-threshold",
+        type=float,
+        default=0.0,
+        help="static mode: verify drafts up to the first confidence below this (0: all)",
+    )
+    g.add_argument(
+        "--speculative-dspark-schedule",
+        choices=("static", "budget"),
+        default="static",
+        help="budget: choose ragged verify lengths by expected tokens per second",
+    )
+    g.add_argument(
+        "--speculative-dspark-sps-table-path",
+        default=None,
+        help="budget mode: JSON {verify batch tokens: steps/s} (default: profiled at start-up)",
+    )
+    g.add_argument(
+        "--speculative-ngram-max-match",
+        type=int,
+        default=SpecConfig.ngram_max_match,
+        help="longest suffix looked up in the request's history",
+    )
+    g.add_argument(
+        "--speculative-ngram-min-match",
+        type=int,
+        default=SpecConfig.ngram_min_match,
+        help="shortest suffix looked up",
+    )
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default=ServerConfig.host, help="address to bind")
@@ -118,8 +179,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         f.name
         for cls in (EngineConfig, CacheConfig, SchedulerConfig)
         for f in dataclasses.fields(cls)
-    }
-    names -= {"model_path", "cache", "scheduler"}
+    } | set(SPEC_ARG_NAMES)
+    names -= {"model_path", "cache", "scheduler", "spec"}
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 
@@ -132,10 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP APIs")
     add_engine_args(serve)
+    add_spec_args(serve)
     add_server_args(serve)
 
     gen = sub.add_parser("generate", help="offline generation from the command line")
     add_engine_args(gen)
+    add_spec_args(gen)
     gen.add_argument(
         "--prompt", action="append", required=True, help="a prompt (repeat for a batch)"
     )

@@ -63,6 +63,23 @@ class ServerContext:
             ("specserve_kv_cache_usage_ratio", "gauge", "Share of KV pages in use.", "kv_usage"),
         ):
             m.add(Sampled(name, help, kind, _reader(stats, key)))
+        if self.engine.proposer is not None:
+            m.add(
+                Sampled(
+                    "specserve_spec_accept_length",
+                    "Mean tokens committed per verify round (bonus included).",
+                    "gauge",
+                    _reader(stats, "spec_accept_length"),
+                )
+            )
+            m.add(
+                Sampled(
+                    "specserve_spec_verify_rounds_total",
+                    "Verify rounds, per request.",
+                    "counter",
+                    _reader(stats, "spec_verify_rounds"),
+                )
+            )
         m.add(
             Sampled(
                 "specserve_requests_total",

@@ -32,6 +32,7 @@ RENAMES = {
     "top_logprobs_num": "top_logprobs",
     "input_ids": "messages",
     "prompt": "messages",
+    "return_logprob": "logprobs",
 }
 MAX_TOP_LOGPROBS = 20  # OpenAI's own cap for chat
 

@@ -32,6 +32,7 @@ RENAMES = {
     "min_new_tokens": "min_tokens",
     "top_logprobs_num": "logprobs",
     "input_ids": "prompt",
+    "return_logprob": "logprobs",
 }
 
 

@@ -1,0 +1,140 @@
+"""Speculative decoding vs plain decoding on one target, same prompts.
+
+For each configuration (plain, DSPARK, DFLASH, NGRAM) the same greedy batch
+is generated; repetitions are interleaved (plain, spec, plain, spec, ...) and
+medians reported: output tok/s, the speedup over plain, and the mean
+accepted length tau (committed tokens per verify round, bonus included).
+
+    python benchmark/bench_spec.py --model-path T --draft-model-path D
+    python benchmark/bench_spec.py            # tiny random target + drafters
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model-path", default=None, help="target checkpoint (default: a tiny random Qwen3)"
+    )
+    p.add_argument(
+        "--draft-model-path", default=None, help="DSpark drafter (default: a tiny random one)"
+    )
+    p.add_argument(
+        "--dflash-model-path",
+        default=None,
+        help="DFlash drafter (default: the DSpark one without heads)",
+    )
+    p.add_argument("--algorithms", nargs="+", default=["DSPARK", "DFLASH", "NGRAM"])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--prompts-file", default=None, help="text prompts, one per line (default: random ids)"
+    )
+    p.add_argument("--output-json", default=None)
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    from specserve import Engine
+    from specserve.tools.tiny_model import make_tiny_dspark, make_tiny_model
+
+    root = tempfile.mkdtemp(prefix="bench-spec-")
+    target = args.model_path or make_tiny_model(
+        os.path.join(root, "target"),
+        num_layers=4,
+        hidden_size=128,
+        intermediate_size=384,
+        head_dim=32,
+    )
+    drafter = args.draft_model_path or make_tiny_dspark(os.path.join(root, "dspark"), target)
+    dflash = args.dflash_model_path or drafter
+    for path in (target, drafter, dflash):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            print(f"bench_spec: no checkpoint at {path}", file=sys.stderr)
+            return 1
+    max_bs = max(args.batch_sizes)
+    common = dict(
+        device="cpu",
+        max_running_requests=max_bs,
+        max_total_tokens=max_bs * (args.input_len + args.output_len + 64),
+    )
+    specs = {
+        "plain": {},
+        "DSPARK": {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": drafter},
+        "DFLASH": {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": dflash},
+        "NGRAM": {"speculative_algorithm": "NGRAM"},
+    }
+    engines = {
+        name: Engine(model_path=target, **common, **specs[name])
+        for name in ["plain", *args.algorithms]
+    }
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            texts = [line.strip() for line in f if line.strip()]
+        tok = engines["plain"].tokenizer
+        prompts = [tok.encode(t)[: args.input_len] for t in texts]
+    else:
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(4, 500, (max_bs, args.input_len), generator=g).tolist()
+    sp = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
+
+    def run(name: str, bs: int) -> tuple[float, float]:
+        eng = engines[name]
+        batch = [prompts[i % len(prompts)] for i in range(bs)]
+        start = time.perf_counter()
+        outs = eng.generate(input_ids=batch, sampling_params=sp)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o["output_ids"]) for o in outs)
+        taus = [o["meta_info"].get("spec_accept_length", 1.0) for o in outs]
+        return tokens / elapsed, statistics.mean(taus)
+
+    rows = []
+    for bs in args.batch_sizes:
+        for name in engines:
+            run(name, bs)  # warm-up
+        samples: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
+        for _ in range(args.repeats):
+            for name in engines:
+                samples[name].append(run(name, bs))
+        base = statistics.median(s[0] for s in samples["plain"])
+        for name in engines:
+            tps = statistics.median(s[0] for s in samples[name])
+            tau = statistics.median(s[1] for s in samples[name])
+            rows.append(
+                {"batch": bs, "method": name, "tok_s": tps, "speedup": tps / base, "tau": tau}
+            )
+    for eng in engines.values():
+        eng.shutdown()
+
+    print(
+        f"target {target}, drafter {drafter}, input {args.input_len}, output {args.output_len}, median of {args.repeats}"
+    )
+    print(f"{'batch':>5} {'method':>8} {'tok/s':>9} {'speedup':>8} {'tau':>6}")
+    for r in rows:
+        print(
+            f"{r['batch']:>5} {r['method']:>8} {r['tok_s']:>9.1f} {r['speedup']:>7.2f}x {r['tau']:>6.2f}"
+        )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
