@@ -4,9 +4,9 @@ accept metrics, and logprobs refused until they are supported."""
 from __future__ import annotations
 
 import pytest
+
 from models_zoo import model_path, random_prompts
 from server_harness import running_server
-
 from specserve import Engine
 from specserve.tools.tiny_model import make_tiny_dspark
 
@@ -32,16 +32,31 @@ def test_greedy_and_sampled_requests(spec_server) -> None:
         expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=sp)]
     finally:
         plain.shutdown()
-    got = spec_server.http.post("/generate", json={"input_ids": prompts, "sampling_params": sp}).json()
+    got = spec_server.http.post(
+        "/generate", json={"input_ids": prompts, "sampling_params": sp}
+    ).json()
     assert [o["output_ids"] for o in got] == expected
-    assert all(o["meta_info"]["spec_verify_ct"] > 0 and o["meta_info"]["spec_accept_length"] >= 1 for o in got)
+    assert all(
+        o["meta_info"]["spec_verify_ct"] > 0 and o["meta_info"]["spec_accept_length"] >= 1
+        for o in got
+    )
 
     client = openai.OpenAI(base_url=spec_server.base + "/v1", api_key="x", max_retries=0)
-    r = client.completions.create(model=client.models.list().data[0].id, prompt="abc", n=2, max_tokens=8, temperature=1.0, seed=3)
+    r = client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt="abc",
+        n=2,
+        max_tokens=8,
+        temperature=1.0,
+        seed=3,
+    )
     assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens <= 16
     stream = client.chat.completions.create(
-        model=client.models.list().data[0].id, messages=[{"role": "user", "content": "hi"}],
-        max_tokens=6, temperature=0.7, stream=True,
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0.7,
+        stream=True,
     )
     assert [c for c in stream if c.choices][-1].choices[0].finish_reason in ("stop", "length")
 
@@ -55,7 +70,9 @@ def test_logprobs_are_refused_with_a_400(spec_server) -> None:
 
 
 def test_accept_length_in_server_info_and_metrics(spec_server) -> None:
-    spec_server.http.post("/generate", json={"text": "warm", "sampling_params": {"max_new_tokens": 8}})
+    spec_server.http.post(
+        "/generate", json={"text": "warm", "sampling_params": {"max_new_tokens": 8}}
+    )
     info = spec_server.http.get("/get_server_info").json()["speculative"]
     assert info["algorithm"] == "DSPARK" and info["max_drafts"] == 4
     assert info["verify_rounds"] > 0 and info["mean_accept_length"] >= 1.0

@@ -281,3 +281,35 @@ def test_logprobs_with_speculation_are_refused_for_now(drafters) -> None:
             eng.generate("x", {"max_new_tokens": 3}, return_logprob=True)
     finally:
         eng.shutdown()
+
+
+def test_abort_frees_target_and_draft_pages(drafters) -> None:
+    import time
+
+    from specserve.engine.result import ResultCollector
+
+    eng = engine(spec_configs(drafters)["dspark-rnn"])
+    try:
+        greqs, _ = eng.requests.build(
+            input_ids=random_prompts(2, [8], seed=55),
+            sampling_params={**GREEDY, "max_new_tokens": 3000},
+        )
+        cols = [ResultCollector() for _ in greqs]
+        for g, c in zip(greqs, cols):
+            eng.submit(g, c.add)
+        deadline = time.monotonic() + 20
+        while len(cols[0].token_ids) < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert eng.proposer.block_pool.free_pages() < eng.proposer.block_pool.total_pages()
+        for g in greqs:
+            eng.abort(g.rid)
+        for c in cols:
+            assert c.done.wait(20) and c.finish_reason.type == "abort"
+        deadline = time.monotonic() + 20
+        while eng.free_pages() != eng.total_pages():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert_all_free(eng)
+    finally:
+        eng.shutdown()

@@ -183,15 +183,17 @@ class DSparkProposer(Proposer):
         temps = torch.tensor(
             [r.sampling.temperature if not r.sampling.greedy else 0.0 for r in reqs], device=device
         )
+        # Confidences only matter when they choose verify lengths.
+        needed = self.sps is not None or self.threshold > 0
         tokens, probs, conf = self.model.draft(
-            hidden, anchors, temps, [r.generator for r in reqs], self.generator
+            hidden, anchors, temps, [r.generator for r in reqs], self.generator, needed
         )
         token_lists = tokens.tolist()
         conf_lists = conf.tolist() if conf is not None else None
         out_tokens, out_q, out_conf = [], [], []
         for i, (r, limit) in enumerate(zip(reqs, max_lens)):
             out_tokens.append(token_lists[i][:limit])
-            out_q.append(None if r.sampling.greedy else probs[i, :limit])
+            out_q.append(None if r.sampling.greedy or probs is None else probs[i, :limit])
             if conf_lists is not None:
                 out_conf.append(conf_lists[i][:limit])
         return DraftProposal(out_tokens, out_q, out_conf if conf_lists is not None else None)

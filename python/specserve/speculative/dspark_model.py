@@ -280,35 +280,40 @@ class DSparkDraftModel(nn.Module):
         temperatures: torch.Tensor,  # [R]; 0 = greedy
         noise: list[torch.Generator | None] | None = None,
         shared: torch.Generator | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        with_confidence: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Walks the block left to right: drafts ``[R, gamma]``, the (Markov
         corrected, temperature-scaled) probabilities they were drawn from
-        ``[R, gamma, V]`` (one-hot for greedy rows) and confidences ``[R, gamma]``."""
+        ``[R, gamma, V]`` (one-hot for greedy rows; None when every row is
+        greedy) and confidences ``[R, gamma]`` (None without the head)."""
         base = self.lm_head(hidden).float()  # [R, G, V]
         r, g, vocab = base.shape
         prev = anchors
         state = self.markov_head.init_state(r, hidden) if self.use_markov else None
         tokens, probs, confs = [], [], []
         greedy = temperatures <= 0
+        all_greedy = bool(greedy.all())
         for k in range(g):
             logits = base[:, k]
             prev_embed = None
             if self.use_markov:
                 bias, state, prev_embed = self.markov_head.step(prev, hidden[:, k], state)
                 logits = logits + bias.float()
-            if self.use_confidence:
+            if self.use_confidence and with_confidence:
                 feats = hidden[:, k]
                 if self.config.confidence_head_with_markov and prev_embed is not None:
                     feats = torch.cat([feats, prev_embed], dim=-1)
                 confs.append(self.confidence_head(feats))
-            p = torch.softmax(logits / torch.where(greedy, 1.0, temperatures)[:, None], dim=-1)
-            choice = _draw(p, logits, greedy, noise, shared)
-            p = torch.where(greedy[:, None], F.one_hot(choice, vocab).float(), p)
+            if all_greedy:  # no distribution to keep: one-hot drafts
+                choice = logits.argmax(dim=-1)
+            else:
+                p = torch.softmax(logits / torch.where(greedy, 1.0, temperatures)[:, None], dim=-1)
+                choice = _draw(p, logits, greedy, noise, shared)
+                probs.append(torch.where(greedy[:, None], F.one_hot(choice, vocab).float(), p))
             tokens.append(choice)
-            probs.append(p)
             prev = choice
         conf = torch.stack(confs, dim=1) if confs else None
-        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1), conf
+        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, conf
 
     # ---- reference ----------------------------------------------------------
 
