@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -117,10 +118,17 @@ def main() -> int:
             tps = statistics.median(s[0] for s in samples[name])
             tau = statistics.median(s[1] for s in samples[name])
             rows.append(
-                {"batch": bs, "method": name, "tok_s": tps, "speedup": tps / base, "tau": tau}
+                {
+                    "batch": bs,
+                    "method": name,
+                    "tok_s": tps,
+                    "speedup": tps / base,
+                    "tau": None if name == "plain" else tau,
+                }
             )
     for eng in engines.values():
         eng.shutdown()
+    shutil.rmtree(root, ignore_errors=True)
 
     print(
         f"target {target}, drafter {drafter}, input {args.input_len}, output {args.output_len}, median of {args.repeats}"
@@ -128,7 +136,8 @@ def main() -> int:
     print(f"{'batch':>5} {'method':>8} {'tok/s':>9} {'speedup':>8} {'tau':>6}")
     for r in rows:
         print(
-            f"{r['batch']:>5} {r['method']:>8} {r['tok_s']:>9.1f} {r['speedup']:>7.2f}x {r['tau']:>6.2f}"
+            f"{r['batch']:>5} {r['method']:>8} {r['tok_s']:>9.1f} {r['speedup']:>7.2f}x "
+            + ("     -" if r["tau"] is None else f"{r['tau']:>6.2f}")
         )
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -313,3 +313,25 @@ def test_abort_frees_target_and_draft_pages(drafters) -> None:
         assert_all_free(eng)
     finally:
         eng.shutdown()
+
+
+def test_budget_profile_is_saved_and_reused(drafters, tmp_path) -> None:
+    table = tmp_path / "sps.json"
+    cfg = {
+        **spec_configs(drafters)["dspark-budget"],
+        "speculative_dspark_sps_table_path": str(table),
+    }
+    eng = engine(cfg)
+    try:
+        assert table.exists()
+        saved = json.loads(table.read_text())
+        assert len(saved) >= 2 and all(v > 0 for v in saved.values())
+    finally:
+        eng.shutdown()
+    again = engine(cfg)  # reads the file instead of profiling
+    try:
+        assert again.proposer.sps(int(next(iter(saved)))) > 0
+        out = again.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY)
+        assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in out)
+    finally:
+        again.shutdown()

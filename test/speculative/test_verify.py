@@ -10,6 +10,13 @@ import torch
 from specserve.sampling.params import SamplingParams
 from specserve.speculative.verify import target_probs, verify_chain
 
+
+def run(*args):
+    r = verify_chain(*args)
+    assert r.rows == list(range(r.accept_len + 1)) and len(r.tokens) == r.accept_len + 1
+    return r.tokens, r.accept_len
+
+
 V = 6
 
 
@@ -22,8 +29,8 @@ def test_greedy_accepts_while_drafts_equal_the_argmax() -> None:
         ([2, 4, 0], [2, 4, 1], 2),
         ([3, 4, 1], [2], 0),
     ):
-        assert verify_chain(logits, drafts, None, greedy, g) == (expect, accepted)
-    assert verify_chain(logits[:1], [], None, greedy, g) == ([2], 0)
+        assert run(logits, drafts, None, greedy, g) == (expect, accepted)
+    assert run(logits[:1], [], None, greedy, g) == ([2], 0)
 
 
 def chain_distribution(p_rows, q_rows, draft_probs, n, seed, params):
@@ -34,7 +41,7 @@ def chain_distribution(p_rows, q_rows, draft_probs, n, seed, params):
     for _ in range(n):
         drafts = [int(torch.multinomial(draft_probs[j], 1, generator=g)) for j in range(2)]
         q = None if q_rows is None else q_rows
-        tokens, accepted = verify_chain(p_rows, drafts, q, params, g)
+        tokens, accepted = run(p_rows, drafts, q, params, g)
         first[tokens[0]] += 1
         if accepted >= 1:
             key = (tokens[0], tokens[1])
@@ -71,7 +78,7 @@ def test_second_token_follows_the_target_after_an_accepted_draft() -> None:
     seconds = torch.zeros(V)
     for _ in range(n):
         drafts = [int(torch.multinomial(draft[j], 1, generator=gen)) for j in range(2)]
-        tokens, accepted = verify_chain(logits, drafts, draft, params, gen)
+        tokens, accepted = run(logits, drafts, draft, params, gen)
         if accepted >= 1:
             seconds[tokens[1]] += 1
     seconds /= seconds.sum()
@@ -84,7 +91,7 @@ def test_top_k_and_top_p_are_respected() -> None:
     g = torch.Generator().manual_seed(4)
     seen = set()
     for _ in range(300):
-        tokens, _ = verify_chain(logits, [5], None, params, g)  # a draft outside the top 2
+        tokens, _ = run(logits, [5], None, params, g)  # a draft outside the top 2
         seen.add(tokens[0])
     assert seen <= {0, 1}
     probs = target_probs(logits, SamplingParams(top_p=0.5))
@@ -97,5 +104,5 @@ def test_every_accept_length_is_reachable_greedily() -> None:
     g = torch.Generator().manual_seed(0)
     for cut, bad in itertools.product(range(5), [5]):
         drafts = target[:cut] + [bad] * (4 - cut)
-        tokens, accepted = verify_chain(logits, drafts, None, SamplingParams(temperature=0), g)
+        tokens, accepted = run(logits, drafts, None, SamplingParams(temperature=0), g)
         assert accepted == cut and tokens == target[:cut] + [logits[cut].argmax().item()]

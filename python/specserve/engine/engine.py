@@ -20,7 +20,7 @@ from specserve.engine.result import ResultCollector, format_output
 from specserve.grammar.base import GrammarBackend
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.base import Proposer
-from specserve.speculative.factory import build_proposer
+from specserve.speculative.factory import build_proposer, draft_kv_bytes_per_page
 from specserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,9 @@ class Engine:
             raise ValueError(f"model_path: {model_path!r} is not a directory")
         self.config = EngineConfig.from_kwargs(model_path, **engine_args)
         self.tokenizer = Tokenizer(self.config.tokenizer_path or model_path)
-        self.runner = ModelRunner(self.config)
+        self.runner = ModelRunner(
+            self.config, extra_kv_bytes_per_page=draft_kv_bytes_per_page(self.config)
+        )
         self.proposer = proposer or build_proposer(self.config, self.runner)
         self.core = EngineCore(self.config, self.runner, self.tokenizer, self.proposer)
         mc = self.runner.model_config

@@ -28,7 +28,14 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig | None = None,
+        extra_kv_bytes_per_page: int = 0,
+    ) -> None:
+        """``extra_kv_bytes_per_page``: what a page costs elsewhere (a drafter's
+        KV pool of the same page count), counted in the memory budget."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
@@ -40,7 +47,7 @@ class ModelRunner:
         )
         self.load_seconds = time.perf_counter() - start
         self.page_size = config.cache.page_size
-        self.num_pages = self._kv_capacity_pages()
+        self.num_pages = self._kv_capacity_pages(extra_kv_bytes_per_page)
         mc = self.model_config
         self.kv_pool = KVPool(
             mc.num_hidden_layers,
@@ -57,12 +64,12 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    def _kv_capacity_pages(self) -> int:
+    def _kv_capacity_pages(self, extra_bytes_per_page: int) -> int:
         cache = self.config.cache
         if cache.max_total_tokens is not None:
             return cache.max_total_tokens // self.page_size
         mc = self.model_config
-        per_page = KVPool.bytes_per_page(
+        per_page = extra_bytes_per_page + KVPool.bytes_per_page(
             mc.num_hidden_layers, self.page_size, mc.num_key_value_heads, mc.head_dim, self.dtype
         )
         if self.device.type == "cuda":

@@ -10,7 +10,9 @@ context from freshly captured features, never from stale slots).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -74,6 +76,12 @@ class DSparkProposer(Proposer):
             raise ValueError(
                 f"speculative_dspark_block_size: {block} exceeds the drafter's block size {dcfg.block_size}"
             )
+        if block < dcfg.block_size:
+            logger.warning(
+                "drafting blocks of %d with a drafter trained on blocks of %d: the block attends "
+                "to itself without a causal mask, so its drafts differ from a full block's",
+                block, dcfg.block_size,
+            )  # fmt: skip
         if spec.num_draft_tokens is not None and spec.num_draft_tokens != block + 1:
             raise ValueError(
                 f"speculative_num_draft_tokens must be the block size + 1 = {block + 1} for "
@@ -88,11 +96,16 @@ class DSparkProposer(Proposer):
         )  # fmt: skip
         blocks = BlockPool(runner.num_pages, runner.page_size)
         sps = None
-        if spec.schedule == "budget" and model.use_confidence:
-            if spec.sps_table_path:
-                sps = SpsTable.load(spec.sps_table_path)
+        if spec.schedule == "budget" and not model.use_confidence:
+            logger.warning("budget scheduling needs a confidence head; verifying whole blocks")
+        elif spec.schedule == "budget":
+            path = spec.sps_table_path
+            if path and os.path.exists(path):
+                sps = SpsTable.load(path)
             else:
                 sps = profile_runner(runner, block, config.scheduler.max_running_requests)
+                if path:  # profiled once, reused by later starts
+                    sps.save(path)
         return cls(model, block, kv, blocks, spec.confidence_threshold, sps, config.random_seed)
 
     # ---- state -------------------------------------------------------------------
@@ -269,5 +282,7 @@ def profile_runner(runner: ModelRunner, block: int, max_running: int) -> SpsTabl
         runner.forward(ScheduledBatch(ForwardMode.VERIFY, entries, []))
 
     table = profile_sps(forward, sizes)
-    logger.info("verify steps/s by batch tokens: %s", {b: round(table(b), 1) for b in sizes})
+    logger.info(
+        "verify steps/s by batch tokens: %s", json.dumps({b: round(table(b), 1) for b in sizes})
+    )
     return table

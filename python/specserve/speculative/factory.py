@@ -2,15 +2,65 @@
 
 from __future__ import annotations
 
-from specserve.config import EngineConfig
+import logging
+
+from specserve.cache.kv_pool import KVPool
+from specserve.config import EngineConfig, SpecConfig
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.base import Proposer
 
+logger = logging.getLogger(__name__)
+
 NGRAM_DEFAULT_DRAFT_TOKENS = 8
+_DSPARK_ONLY = ("draft_model_path", "block_size", "sps_table_path")
+
+
+def warn_unused(spec: SpecConfig) -> None:
+    """Flags that the chosen algorithm ignores are worth a line in the log."""
+    default = SpecConfig()
+    set_fields = [
+        f
+        for f in (
+            *_DSPARK_ONLY,
+            "confidence_threshold",
+            "schedule",
+            "ngram_max_match",
+            "ngram_min_match",
+        )
+        if getattr(spec, f) != getattr(default, f)
+    ]
+    if spec.algorithm is None:
+        unused = set_fields
+    elif spec.algorithm == "NGRAM":
+        unused = [f for f in set_fields if not f.startswith("ngram")]
+    else:
+        unused = [f for f in set_fields if f.startswith("ngram")]
+    for name in unused:
+        logger.warning(
+            "speculative_%s is ignored with speculative_algorithm %s", name, spec.algorithm
+        )
+
+
+def draft_kv_bytes_per_page(config: EngineConfig) -> int:
+    """What one page of the drafter's KV pool costs (0 without a drafter)."""
+    spec = config.spec
+    if spec.algorithm not in ("DSPARK", "DFLASH") or not spec.draft_model_path:
+        return 0
+    from specserve.speculative.dspark_model import DSparkConfig
+
+    d = DSparkConfig.from_path(spec.draft_model_path)
+    return KVPool.bytes_per_page(
+        d.num_hidden_layers,
+        config.cache.page_size,
+        d.num_key_value_heads,
+        d.head_dim,
+        config.torch_dtype,
+    )
 
 
 def build_proposer(config: EngineConfig, runner: ModelRunner) -> Proposer | None:
     spec = config.spec
+    warn_unused(spec)
     if not spec.enabled:
         return None
     if spec.algorithm == "NGRAM":

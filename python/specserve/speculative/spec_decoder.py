@@ -76,8 +76,8 @@ class SpecDecoder:
             rows = list(range(lo, lo + 1 + len(drafts)))
             x = self._process_rows(fwd.logits[lo : lo + 1 + len(drafts)].clone(), step.req, drafts)
             generator = req.generator or shared_generator
-            tokens, accepted = verify_chain(x, drafts, step.draft_q, req.sampling, generator)
-            runs.append(RunCommit(i, tokens, rows[: accepted + 1]))
+            result = verify_chain(x, drafts, step.draft_q, req.sampling, generator)
+            runs.append(RunCommit(i, result.tokens, [lo + r for r in result.rows]))
             processed.append((rows, x))
         return runs, processed
 

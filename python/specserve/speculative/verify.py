@@ -16,6 +16,7 @@ import torch
 
 from specserve.sampling.params import SamplingParams
 from specserve.sampling.sampler import filter_probs
+from specserve.speculative.base import VerifyResult
 
 
 def verify_chain(
@@ -24,8 +25,20 @@ def verify_chain(
     q: torch.Tensor | None,  # [L, V] draft distributions, or None (one-hot)
     params: SamplingParams,
     generator: torch.Generator,
+) -> VerifyResult:
+    """The committed tokens (accepted drafts + one more), how many drafts were
+    accepted, and the chain row (0-based) that scored each committed token."""
+    tokens, accepted = _accept(logits, drafts, q, params, generator)
+    return VerifyResult(tokens, accepted, list(range(accepted + 1)))
+
+
+def _accept(
+    logits: torch.Tensor,
+    drafts: list[int],
+    q: torch.Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator,
 ) -> tuple[list[int], int]:
-    """Committed tokens (accepted drafts + one more) and the number accepted."""
     num = len(drafts)
     assert logits.shape[0] == num + 1, "one verify row per draft plus the anchor's"
     if params.greedy:
