@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "make-tiny-model":
             return _make_tiny_model(args)
+        if args.command == "make-tiny-dspark":
+            return _make_tiny_dspark(args)
         if args.command == "generate":
             return _generate(args)
     except ValueError as e:  # bad input: one clear line, no traceback
@@ -41,6 +43,22 @@ def _make_tiny_model(args: Any) -> int:
         seed=args.seed,
     )
     print(f"wrote a tiny {args.arch} checkpoint to {path}")
+    return 0
+
+
+def _make_tiny_dspark(args: Any) -> int:
+    from specserve.tools.tiny_model import make_tiny_dspark
+
+    path = make_tiny_dspark(
+        args.path,
+        args.target,
+        markov_rank=args.markov_rank,
+        markov_head_type=args.markov_head_type,
+        confidence_head=args.markov_rank > 0,
+        block_size=args.block_size,
+        seed=args.seed,
+    )
+    print(f"wrote a random DSpark drafter for {args.target} to {path}")
     return 0
 
 

@@ -168,6 +168,96 @@ def test_triton_default_block_via_dispatcher() -> None:
     _assert_matches(out, logits, token_ids, temps, 4, gather_ids)
 
 
+def _row_id_batch(
+    v: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hard batch scattered over a [7, V] block whose other rows are NaN.
+
+    ``row_ids`` is unsorted and repeats rows; any read of an unlisted row (or a
+    wrong one) would show up as NaN or a mismatch.
+    """
+    logits, token_ids, temps, gather_ids = _hard_batch(v, dtype)
+    block = torch.full((7, v), float("nan"), dtype=dtype)  # [R, V]
+    block[[5, 0, 2, 6]] = logits  # hard row k sits at block row place[k]
+    pick = torch.tensor([3, 1, 1, 0, 2, 3])  # hard row of each output row
+    place = torch.tensor([5, 0, 2, 6])
+    row_ids = place[pick]  # [N] = [6, 0, 0, 5, 2, 6]
+    return block, row_ids, token_ids[pick], temps[pick], gather_ids[pick]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("top_k", [0, 7])
+def test_triton_row_ids_matches_reference(top_k: int, dtype: torch.dtype) -> None:
+    block, row_ids, token_ids, temps, gather_ids = _row_id_batch(203, dtype)
+    out = row_logprobs_triton(
+        block, token_ids, temps, top_k, gather_ids, block_v=64, row_ids=row_ids
+    )
+    _assert_matches(out, block[row_ids], token_ids, temps, top_k, gather_ids)
+    ref = row_logprobs_ref(block, token_ids, temps, top_k, gather_ids, row_ids)
+    torch.testing.assert_close(out.token_logprobs, ref.token_logprobs, **TOL)
+    torch.testing.assert_close(out.ids_logprobs, ref.ids_logprobs, equal_nan=True, **TOL)
+    assert not out.top_values.isnan().any()
+
+
+@needs_triton
+def test_triton_row_ids_strided_block() -> None:
+    v = 150
+    big = torch.randn(10, v + 37, generator=torch.Generator().manual_seed(4))  # [10, V + 37]
+    block = big[::2, :v]  # [5, V]: row stride 2 * (V + 37)
+    row_ids = torch.tensor([4, 1, 4])
+    token_ids = torch.tensor([3, v - 1, 0])
+    temps = torch.tensor([0.9, 1.4, 0.3])
+    gather_ids = torch.tensor([[1, -1], [v - 1, 7], [-1, -1]])
+    out = row_logprobs_triton(block, token_ids, temps, 5, gather_ids, block_v=64, row_ids=row_ids)
+    _assert_matches(out, block[row_ids], token_ids, temps, 5, gather_ids)
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("triton", marks=needs_triton), "torch"], ids=["triton", "torch"]
+)
+def test_row_ids_empty_selection(backend: str) -> None:
+    block = torch.randn(3, 40)  # [R, V] with R = 3, N = 0
+    row_ids = torch.empty(0, dtype=torch.int64)
+    token_ids = torch.empty(0, dtype=torch.int64)
+    gather_ids = torch.empty(0, 2, dtype=torch.int64)
+    out = row_logprobs(
+        block, token_ids, torch.empty(0), 4, gather_ids, backend=backend, row_ids=row_ids
+    )
+    assert out.token_logprobs.shape == (0,)
+    assert out.top_values.shape == (0, 4) and out.top_ids.shape == (0, 4)
+    assert out.ids_logprobs.shape == (0, 2)
+    out = row_logprobs(block, token_ids, None, 0, None, backend=backend, row_ids=row_ids)
+    assert out.ids_logprobs.shape == (0, 0)
+
+
+def test_reference_row_ids_equals_indexed_rows() -> None:
+    block, row_ids, token_ids, temps, gather_ids = _row_id_batch(120)
+    got = row_logprobs_ref(block, token_ids, temps, 6, gather_ids, row_ids)
+    want = row_logprobs_ref(block[row_ids], token_ids, temps, 6, gather_ids)
+    for a, b in zip(
+        (got.token_logprobs, got.top_values, got.top_ids, got.ids_logprobs),
+        (want.token_logprobs, want.top_values, want.top_ids, want.ids_logprobs),
+    ):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    # Without gather_ids the empty default must follow N, not R.
+    got = row_logprobs_ref(block, token_ids, temps, 2, None, row_ids)
+    assert got.ids_logprobs.shape == (6, 0)
+
+
+@needs_triton
+def test_triton_rejects_bad_row_ids() -> None:
+    block = torch.randn(4, 64)
+    token_ids = torch.tensor([0, 1])
+    with pytest.raises(AssertionError, match="row_ids must be int64"):
+        row_logprobs_triton(block, token_ids, row_ids=torch.tensor([0, 3], dtype=torch.int32))
+    with pytest.raises(AssertionError, match="1-D"):
+        row_logprobs_triton(block, token_ids, row_ids=torch.tensor([[0, 3]]))
+    with pytest.raises(AssertionError, match="token_ids must be"):
+        row_logprobs_triton(block, token_ids, row_ids=torch.tensor([0, 3, 1]))
+
+
 @pytest.mark.parametrize(
     "backend", [pytest.param("triton", marks=needs_triton), "torch"], ids=["triton", "torch"]
 )
@@ -247,3 +337,28 @@ def test_triton_cuda_large_vocab() -> None:
     )
     out = row_logprobs(logits, token_ids, temps, 20, gather_ids, backend="auto")
     _assert_matches(out, logits, token_ids, temps, 20, gather_ids)
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_triton_cuda_row_ids() -> None:
+    r, n, v = 300, 128, 151936
+    g = torch.Generator().manual_seed(5)
+    block = (torch.randn(r, v, generator=g) * 4).to(torch.bfloat16)  # [R, V]
+    row_ids = torch.randint(0, r, (n,), generator=g)  # [N], unsorted with repeats
+    token_ids = torch.randint(0, v, (n,), generator=g)
+    temps = torch.rand(n, generator=g) * 1.5 + 0.2  # [N]
+    gather_ids = torch.randint(0, v, (n, 4), generator=g)  # [N, M]
+    block, row_ids, token_ids, temps, gather_ids = (
+        t.cuda() for t in (block, row_ids, token_ids, temps, gather_ids)
+    )
+    out = row_logprobs(
+        logits=block,
+        token_ids=token_ids,
+        temperatures=temps,
+        top_k=8,
+        gather_ids=gather_ids,
+        backend="auto",
+        row_ids=row_ids,
+    )
+    _assert_matches(out, block[row_ids], token_ids, temps, 8, gather_ids)

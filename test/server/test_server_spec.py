@@ -1,5 +1,5 @@
 """The server with a DSpark drafter: lossless greedy output, sampling, n > 1,
-accept metrics, and logprobs refused until they are supported."""
+accept metrics."""
 
 from __future__ import annotations
 
@@ -59,14 +59,6 @@ def test_greedy_and_sampled_requests(spec_server) -> None:
         stream=True,
     )
     assert [c for c in stream if c.choices][-1].choices[0].finish_reason in ("stop", "length")
-
-
-def test_logprobs_are_refused_with_a_400(spec_server) -> None:
-    r = spec_server.http.post("/v1/completions", json={"prompt": "x", "logprobs": 2})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
-    assert "not yet supported" in r.json()["error"]["message"]
-    r = spec_server.http.post("/generate", json={"text": "x", "return_logprob": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "return_logprob"
 
 
 def test_accept_length_in_server_info_and_metrics(spec_server) -> None:

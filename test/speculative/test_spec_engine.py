@@ -5,15 +5,14 @@ every page (target and draft) back at the end."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 
 import pytest
 import torch
 
 from models_zoo import model_path, random_prompts
+from spec_helpers import OracleProposer
 from specserve import Engine
-from specserve.engine.request import Req
-from specserve.speculative.base import DraftProposal, Proposer
+from specserve.speculative.base import Proposer
 from specserve.tools.tiny_model import make_tiny_dspark
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
@@ -121,39 +120,6 @@ def test_small_kv_pool_preempts_and_stays_lossless(plain, drafters) -> None:
             assert_all_free(eng)
         finally:
             eng.shutdown()
-
-
-class OracleProposer(Proposer):
-    """Proposes the target's own greedy continuation, corrupted at a chosen
-    draft index each round, so that the accept length of round k is known."""
-
-    def __init__(
-        self, continuations: dict[str, list[int]], schedule: list[int], max_drafts: int
-    ) -> None:
-        self.continuations = continuations
-        self.schedule = schedule
-        self.max_drafts = max_drafts
-        self.planned: dict[str, list[int]] = {}
-        self.observed: dict[str, list[int]] = {}
-        self.last_len: dict[str, int] = {}
-
-    def propose(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> DraftProposal:
-        out = []
-        for r, limit in zip(reqs, max_lens):
-            plan = self.planned.setdefault(r.rid, [])
-            if r.rid in self.last_len:  # what the last round committed tells its accept length
-                self.observed.setdefault(r.rid, []).append(
-                    len(r.output_ids) - self.last_len[r.rid] - 1
-                )
-            self.last_len[r.rid] = len(r.output_ids)
-            truth = self.continuations[r.rid][len(r.output_ids) : len(r.output_ids) + limit]
-            cut = self.schedule[len(plan) % len(self.schedule)]
-            drafts = list(truth)
-            if cut < len(drafts):
-                drafts[cut] = (drafts[cut] + 1) % 500
-            plan.append(min(cut, len(drafts)))
-            out.append(drafts)
-        return DraftProposal(out, [None] * len(reqs))
 
 
 def test_every_accept_length_is_exercised(plain) -> None:
@@ -272,15 +238,6 @@ def test_sampling_matches_plain_decoding_on_a_tiny_vocabulary(plain, drafters) -
             + ((b - expect_a) ** 2 / expect_a.clamp(min=1e-9))
         ).sum()
         assert float(chi2) < 20.5, (position, a.tolist(), b.tolist())
-
-
-def test_logprobs_with_speculation_are_refused_for_now(drafters) -> None:
-    eng = engine(spec_configs(drafters)["ngram"])
-    try:
-        with pytest.raises(ValueError, match="^return_logprob: .*not yet supported"):
-            eng.generate("x", {"max_new_tokens": 3}, return_logprob=True)
-    finally:
-        eng.shutdown()
 
 
 def test_abort_frees_target_and_draft_pages(drafters) -> None:

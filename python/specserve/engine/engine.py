@@ -59,7 +59,6 @@ class Engine:
                 context_length=self.runner.context_length,
                 capacity_tokens=self.core.capacity_tokens,
                 max_top_logprobs=self.config.max_top_logprobs,
-                speculative=self.proposer is not None,
             ),
             self.grammar_backend,
         )

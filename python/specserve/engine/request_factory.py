@@ -34,7 +34,6 @@ class Limits:
     context_length: int
     capacity_tokens: int  # KV pool size: a longer request could never run
     max_top_logprobs: int
-    speculative: bool = False
 
 
 def _is_id_list(v: Any) -> bool:
@@ -144,10 +143,6 @@ class RequestFactory:
             raise ValueError(f"stop_token_ids: token ids must be < {vocab}")
         if not isinstance(return_logprob, bool):
             raise ValueError(f"return_logprob must be a boolean, got {return_logprob!r}")
-        if return_logprob and lim.speculative:
-            raise ValueError(
-                "return_logprob: logprobs are not yet supported with speculative decoding"
-            )
         start = -1 if logprob_start_len is None else logprob_start_len
         if not isinstance(start, int) or isinstance(start, bool) or not -1 <= start < len(ids):
             raise ValueError(

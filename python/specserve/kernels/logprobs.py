@@ -1,10 +1,14 @@
 """Row-wise logprobs of a logits block in one pass over each row.
 
-Per row of ``[N, V]`` logits this computes, with an online max / sum-exp, the
-logsumexp of the (temperature-scaled) row, the logprob of one chosen token, the
-top-k logprobs with their ids, and the logprobs of a padded list of requested
-ids. The Triton kernel reads every logit once; the torch reference
-materialises the full ``[N, V]`` log-softmax and serves as the test oracle.
+Per output row this computes, with an online max / sum-exp, the logsumexp of
+the (temperature-scaled) logits row, the logprob of one chosen token, the top-k
+logprobs with their ids, and the logprobs of a padded list of requested ids.
+Output row i reads logits row i, or row ``row_ids[i]`` when ``row_ids`` is
+given, so a ``[R, V]`` block (say, every verify row of a batch) can be scored
+on a subset of its rows, in any order and with repeats, without first copying
+them out. The Triton kernel reads only the listed rows, each logit of them
+once; the torch reference materialises the full log-softmax of the selected
+rows and serves as the test oracle.
 """
 
 from __future__ import annotations
@@ -44,8 +48,11 @@ def row_logprobs_ref(
     temperatures: torch.Tensor | None = None,
     top_k: int = 0,
     gather_ids: torch.Tensor | None = None,
+    row_ids: torch.Tensor | None = None,
 ) -> RowLogprobs:
     """Torch reference: full log_softmax, then gather and topk."""
+    if row_ids is not None:
+        logits = logits[row_ids]  # [R, V] -> [N, V]
     x = logits.float()  # [N, V]
     if temperatures is not None:
         x = x / temperatures.float().unsqueeze(1)
@@ -66,6 +73,8 @@ if HAS_TRITON:
     def _row_logprobs_kernel(
         logits_ptr,
         stride_lr,
+        row_ids_ptr,
+        stride_rid,
         token_ids_ptr,
         stride_t,
         temps_ptr,
@@ -79,6 +88,7 @@ if HAS_TRITON:
         out_ids_ptr,
         V,
         M,
+        HAS_ROW_IDS: tl.constexpr,
         HAS_TEMP: tl.constexpr,
         K: tl.constexpr,
         K_PAD: tl.constexpr,
@@ -93,9 +103,13 @@ if HAS_TRITON:
         EMPTY: tl.constexpr = -9223372036854775808  # below every real key (even -inf)
         NEG_INF: tl.constexpr = float("-inf")
 
-        # 64-bit row offset so huge [N, V] blocks cannot overflow.
+        # `row` indexes the per-output-row inputs and outputs; `src` the logits.
+        # 64-bit offsets so huge [R, V] blocks cannot overflow.
         row = tl.program_id(0).to(tl.int64)
-        row_ptr = logits_ptr + row * stride_lr
+        src = row
+        if HAS_ROW_IDS:
+            src = tl.load(row_ids_ptr + row * stride_rid).to(tl.int64)
+        row_ptr = logits_ptr + src * stride_lr
         if HAS_TEMP:
             t = tl.load(temps_ptr + row * stride_temp).to(tl.float32)
 
@@ -185,13 +199,25 @@ def row_logprobs_triton(
     top_k: int = 0,
     gather_ids: torch.Tensor | None = None,
     block_v: int | None = None,
+    row_ids: torch.Tensor | None = None,
 ) -> RowLogprobs:
-    """Triton path: one program per row, one pass over the vocab."""
+    """Triton path: one program per output row, one pass over its logits row.
+
+    ``row_ids`` values must lie in ``[0, R)``; they are not checked here, as that
+    would need a device sync.
+    """
     if not HAS_TRITON:
         raise RuntimeError("row_logprobs_triton needs triton, which is not installed")
-    assert logits.dim() == 2, f"logits must be [N, V], got shape {tuple(logits.shape)}"
-    n, v = logits.shape
+    assert logits.dim() == 2, f"logits must be [R, V], got shape {tuple(logits.shape)}"
+    r, v = logits.shape
     dev = logits.device
+    if row_ids is None:
+        n = r
+    else:
+        assert row_ids.dim() == 1, f"row_ids must be 1-D [N], got {tuple(row_ids.shape)}"
+        assert row_ids.dtype == torch.int64, f"row_ids must be int64, got {row_ids.dtype}"
+        assert row_ids.device == dev, f"row_ids on {row_ids.device}, logits on {dev}"
+        n = row_ids.shape[0]
     assert logits.dtype in _LOGIT_DTYPES, f"logits dtype must be one of {_LOGIT_DTYPES}"
     assert logits.stride(1) == 1, f"logits last dim must be contiguous, strides {logits.stride()}"
     assert v > 0, "logits must have a non-empty vocab dim"
@@ -227,11 +253,15 @@ def row_logprobs_triton(
     )
     if n == 0:
         return out
-    # The kernel never reads temps when HAS_TEMP is off; any pointer will do.
+    # The kernel never reads temps (row_ids) when HAS_TEMP (HAS_ROW_IDS) is off;
+    # any pointer will do.
     temps = temperatures if temperatures is not None else out.token_logprobs
+    rids = row_ids if row_ids is not None else token_ids
     _row_logprobs_kernel[(n,)](
         logits,
         logits.stride(0),
+        rids,
+        rids.stride(0),
         token_ids,
         token_ids.stride(0),
         temps,
@@ -245,6 +275,7 @@ def row_logprobs_triton(
         out.ids_logprobs,
         v,
         m,
+        HAS_ROW_IDS=row_ids is not None,
         HAS_TEMP=temperatures is not None,
         K=top_k,
         K_PAD=_pow2_at_least(top_k),
@@ -262,11 +293,14 @@ def row_logprobs(
     top_k: int = 0,
     gather_ids: torch.Tensor | None = None,
     backend: str = "auto",
+    row_ids: torch.Tensor | None = None,
 ) -> RowLogprobs:
     """Dispatch: "auto" uses Triton on CUDA tensors, the torch reference elsewhere."""
     if backend not in _BACKENDS:
         raise ValueError(f"unknown row_logprobs backend {backend!r}; expected one of {_BACKENDS}")
     use_triton = backend == "triton" or (backend == "auto" and logits.is_cuda and HAS_TRITON)
     if use_triton:
-        return row_logprobs_triton(logits, token_ids, temperatures, top_k, gather_ids)
-    return row_logprobs_ref(logits, token_ids, temperatures, top_k, gather_ids)
+        return row_logprobs_triton(
+            logits, token_ids, temperatures, top_k, gather_ids, row_ids=row_ids
+        )
+    return row_logprobs_ref(logits, token_ids, temperatures, top_k, gather_ids, row_ids)

@@ -216,6 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--json", action="store_true", help="print the raw result dicts as JSON")
 
+    draft = sub.add_parser(
+        "make-tiny-dspark",
+        help="write a random-weight DSpark drafter (DeepSpec format) for a target",
+    )
+    draft.add_argument("target", help="the target checkpoint the drafter is for")
+    draft.add_argument("path", help="where to write the drafter")
+    draft.add_argument("--markov-rank", type=int, default=8, help="0: a DFlash drafter")
+    draft.add_argument("--markov-head-type", choices=("vanilla", "gated", "rnn"), default="vanilla")
+    draft.add_argument("--block-size", type=int, default=7)
+    draft.add_argument("--seed", type=int, default=0)
+
     tiny = sub.add_parser(
         "make-tiny-model", help="write a tiny random-weight checkpoint with a real tokenizer"
     )

@@ -1,0 +1,527 @@
+"""Verification of speculative draft chains against the target model's rows.
+
+B chains are verified at once. Chain b holds ``L_b = lengths[b]`` drafts,
+``drafts[b, :L_b]`` (the rest of its padded row is ignored), and owns the L_b + 1
+target rows ``row_starts[b] .. row_starts[b] + L_b`` of a ``[R, V]`` block: row
+``row_starts[b] + j`` is the target distribution at the position of draft j, and
+the last row yields the bonus token when every draft is accepted.
+
+Both verifiers return ``accept_len [B]`` and ``next_token [B]`` (int64): chain b
+commits ``drafts[b, :accept_len[b]]`` followed by ``next_token[b]``, which is the
+correction at the first rejected position or the bonus token.
+
+* Greedy: a draft is accepted while it equals the argmax of its row (ties go to
+  the lowest index); the next token is the argmax of the row after the
+  accepted prefix.
+* Rejection sampling: draft x with draft probability q and target probability
+  p is accepted iff ``q > 0 and u * q < p``; at the first rejection the next
+  token is drawn from the normalised residual ``max(0, p - q)``, so committed
+  tokens follow the target distribution exactly.
+
+A draw from non-negative weights w with a uniform u in [0, 1) picks the
+smallest i with ``cumsum(w)[i] > u * sum(w)``; should rounding leave none, the
+last i with ``w[i] > 0`` (0 when w is all zero, which a normalised row never
+is). The Triton kernels run one program per chain, walk its drafts in order and
+stop at the first rejection, scanning each row they need in vocab chunks. The
+torch references spell the rules out plainly and serve as the test oracle.
+
+Inputs are trusted where checking them would need a device sync: drafts must lie
+in ``[0, V)``, ``lengths`` in ``[0, Lmax]``, every row a chain uses must exist,
+and rows must not hold NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # the module must still import on machines without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BACKENDS = ("auto", "triton", "torch")
+# Vocab chunk per loop step; wide loads on a GPU, few steps for a 150k vocab.
+DEFAULT_BLOCK_V = 1024
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def _argmax_lowest(x: torch.Tensor) -> torch.Tensor:
+    """Row argmax of ``[R, V]`` with ties resolved to the lowest index, spelt out."""
+    x = x.float()
+    best = x.max(dim=-1, keepdim=True).values  # [R, 1]
+    idx = torch.arange(x.shape[-1], device=x.device).expand_as(x)  # [R, V]
+    return torch.where(x == best, idx, x.shape[-1]).min(dim=-1).values  # [R]
+
+
+def greedy_verify_ref(
+    logits: torch.Tensor,
+    row_starts: torch.Tensor,
+    drafts: torch.Tensor,
+    lengths: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference for greedy verification; returns (accept_len, next_token)."""
+    b, lmax = drafts.shape
+    dev = logits.device
+    assert bool(((lengths >= 0) & (lengths <= lmax)).all()), "lengths must be in [0, Lmax]"
+    if b == 0:
+        empty = torch.empty(0, dtype=torch.int64, device=dev)
+        return empty, empty.clone()
+    target = _argmax_lowest(logits)  # [R]
+    j = torch.arange(lmax, device=dev)  # [Lmax]
+    live = j < lengths.unsqueeze(1)  # [B, Lmax]
+    # Padded positions may point past the block; they are masked by `live`.
+    rows = (row_starts.unsqueeze(1) + j).clamp(max=logits.shape[0] - 1)  # [B, Lmax]
+    match = live & (target[rows] == drafts)  # [B, Lmax]
+    # Leading run of matches: the cumulative product stays 1 until the first miss.
+    accept_len = match.long().cumprod(dim=1).sum(dim=1)  # [B]
+    next_token = target[row_starts + accept_len]  # [B]
+    return accept_len, next_token.long()
+
+
+def _draw_ref(w: torch.Tensor, u: torch.Tensor) -> int:
+    """Inverse-CDF draw from non-negative weights ``w [V]`` with a 0-d float32 ``u``."""
+    above = torch.nonzero(torch.cumsum(w, dim=0) > u * w.sum())
+    if above.numel() > 0:
+        return int(above[0])
+    positive = torch.nonzero(w > 0)
+    return int(positive[-1]) if positive.numel() > 0 else 0
+
+
+def rejection_verify_ref(
+    probs: torch.Tensor,
+    row_starts: torch.Tensor,
+    drafts: torch.Tensor,
+    lengths: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_starts: torch.Tensor | None,
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference for rejection sampling, one chain at a time.
+
+    ``uniforms[b, j]`` decides draft j; the last column, ``uniforms[b, Lmax]``,
+    is always the one used for the final draw.
+    """
+    b, lmax = drafts.shape
+    dev = probs.device
+    starts = row_starts.tolist()
+    lens = lengths.tolist()
+    qstarts = draft_starts.tolist() if draft_probs is not None else [0] * b
+    draft_list = drafts.tolist()
+    accept_len = torch.zeros(b, dtype=torch.int64, device=dev)
+    next_token = torch.zeros(b, dtype=torch.int64, device=dev)
+    for c in range(b):
+        n = lens[c]
+        assert 0 <= n <= lmax, f"lengths[{c}] = {n} is outside [0, {lmax}]"
+        a = 0
+        weights = probs[starts[c] + n]  # [V]; stays the bonus row if all are accepted
+        while a < n:
+            x = draft_list[c][a]
+            p_row = probs[starts[c] + a]  # [V]
+            if draft_probs is not None:
+                q_row = draft_probs[qstarts[c] + a]  # [V]
+            else:
+                q_row = torch.zeros_like(p_row)
+                q_row[x] = 1.0
+            q = q_row[x]
+            if q > 0 and uniforms[c, a] * q < p_row[x]:
+                a += 1
+                continue
+            weights = (p_row - q_row).clamp(min=0.0)
+            if not bool((weights > 0).any()):
+                weights = p_row
+            break
+        accept_len[c] = a
+        next_token[c] = _draw_ref(weights, uniforms[c, lmax])
+    return accept_len, next_token
+
+
+# --------------------------------------------------------------------------- triton
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _row_argmax(row_ptr, V, BLOCK_V: tl.constexpr):
+        best_v = tl.full([], float("-inf"), tl.float32)
+        best_i = tl.zeros([], tl.int32)
+        for start in range(0, V, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            mask = offs < V
+            x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+            c_max = tl.max(x, axis=0)
+            c_idx = tl.min(tl.where(mask & (x == c_max), offs, V), axis=0)
+            # Strictly greater: an equal max in a later chunk keeps the lower index,
+            # and an all -inf row keeps index 0, as the reference does.
+            best_i = tl.where(c_max > best_v, c_idx, best_i)
+            best_v = tl.maximum(best_v, c_max)
+        return best_i
+
+    @triton.jit
+    def _greedy_verify_kernel(
+        logits_ptr,
+        stride_lr,
+        row_starts_ptr,
+        stride_rs,
+        drafts_ptr,
+        stride_db,
+        stride_dj,
+        lengths_ptr,
+        stride_len,
+        out_accept_ptr,
+        out_next_ptr,
+        V,
+        BLOCK_V: tl.constexpr,
+    ):
+        c = tl.program_id(0).to(tl.int64)
+        row0 = tl.load(row_starts_ptr + c * stride_rs)
+        n = tl.load(lengths_ptr + c * stride_len)
+        draft_row = drafts_ptr + c * stride_db
+
+        # Walk the chain while drafts match; rows past the first miss are never read.
+        j = tl.zeros([], tl.int64)
+        tok = _row_argmax(logits_ptr + row0 * stride_lr, V, BLOCK_V)
+        d = tl.load(draft_row, mask=n > 0, other=-1)
+        while (j < n) & (tok == d):
+            j += 1
+            tok = _row_argmax(logits_ptr + (row0 + j) * stride_lr, V, BLOCK_V)
+            d = tl.load(draft_row + j * stride_dj, mask=j < n, other=-1)
+        tl.store(out_accept_ptr + c, j)
+        tl.store(out_next_ptr + c, tok.to(tl.int64))
+
+    @triton.jit
+    def _accept_draft(
+        probs_ptr,
+        stride_pr,
+        row0,
+        draft_row,
+        stride_dj,
+        q_ptr,
+        stride_qr,
+        q_row0,
+        u_row,
+        stride_uj,
+        j,
+        n,
+        V,
+        HAS_Q: tl.constexpr,
+    ):
+        live = j < n
+        x = tl.load(draft_row + j * stride_dj, mask=live, other=0)
+        # Out-of-vocab drafts are invalid input; masking keeps them from reading
+        # out of bounds (they are rejected).
+        ok = live & (x >= 0) & (x < V)
+        p = tl.load(probs_ptr + (row0 + j) * stride_pr + x, mask=ok, other=0.0)
+        if HAS_Q:
+            q = tl.load(q_ptr + (q_row0 + j) * stride_qr + x, mask=ok, other=0.0)
+        else:
+            q = tl.where(ok, 1.0, 0.0)
+        u = tl.load(u_row + j * stride_uj, mask=live, other=1.0)
+        return ok & (q > 0.0) & (u * q < p)
+
+    @triton.jit
+    def _residual(p, q_row, offs, mask, x, rejected, HAS_Q: tl.constexpr):
+        # max(0, p - q) for one chunk; q is the draft row, or one-hot at x.
+        if HAS_Q:
+            q = tl.load(q_row + offs, mask=mask & rejected, other=0.0)
+        else:
+            q = tl.where(offs == x, 1.0, 0.0)
+        return tl.maximum(p - q, 0.0)
+
+    @triton.jit
+    def _rejection_verify_kernel(
+        probs_ptr,
+        stride_pr,
+        row_starts_ptr,
+        stride_rs,
+        drafts_ptr,
+        stride_db,
+        stride_dj,
+        lengths_ptr,
+        stride_len,
+        q_ptr,
+        stride_qr,
+        q_starts_ptr,
+        stride_qs,
+        u_ptr,
+        stride_ub,
+        stride_uj,
+        out_accept_ptr,
+        out_next_ptr,
+        V,
+        LMAX,
+        HAS_Q: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        c = tl.program_id(0).to(tl.int64)
+        row0 = tl.load(row_starts_ptr + c * stride_rs)
+        n = tl.load(lengths_ptr + c * stride_len)
+        draft_row = drafts_ptr + c * stride_db
+        u_row = u_ptr + c * stride_ub
+        q_row0 = tl.zeros([], tl.int64)
+        if HAS_Q:
+            q_row0 = tl.load(q_starts_ptr + c * stride_qs)
+
+        # Accept drafts until the first rejection (or the end of the chain).
+        j = tl.zeros([], tl.int64)
+        ok = _accept_draft(
+            probs_ptr,
+            stride_pr,
+            row0,
+            draft_row,
+            stride_dj,
+            q_ptr,
+            stride_qr,
+            q_row0,
+            u_row,
+            stride_uj,
+            j,
+            n,
+            V,
+            HAS_Q,
+        )
+        while ok:
+            j += 1
+            ok = _accept_draft(
+                probs_ptr,
+                stride_pr,
+                row0,
+                draft_row,
+                stride_dj,
+                q_ptr,
+                stride_qr,
+                q_row0,
+                u_row,
+                stride_uj,
+                j,
+                n,
+                V,
+                HAS_Q,
+            )
+        tl.store(out_accept_ptr + c, j)
+
+        rejected = j < n
+        x = tl.load(draft_row + j * stride_dj, mask=rejected, other=-1)
+        p_row = probs_ptr + (row0 + j) * stride_pr
+        q_row = q_ptr + (q_row0 + j) * stride_qr  # read only when rejected
+
+        # Pass 1: totals of the residual and of p, so an all-zero residual can
+        # fall back to p without a third pass.
+        total_r = tl.zeros([], tl.float32)
+        total_p = tl.zeros([], tl.float32)
+        for start in range(0, V, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            mask = offs < V
+            p = tl.load(p_row + offs, mask=mask, other=0.0)
+            total_p += tl.sum(p, axis=0)
+            if rejected:
+                r = _residual(p, q_row, offs, mask, x, rejected, HAS_Q)
+                total_r += tl.sum(r, axis=0)
+        residual = rejected & (total_r > 0.0)
+        total = tl.where(residual, total_r, total_p)
+        thr = tl.load(u_row + LMAX * stride_uj) * total
+
+        # Pass 2: first index whose running cumulative sum exceeds the threshold.
+        pick = tl.zeros([], tl.int32) + V  # V = not found yet
+        last = tl.full([], -1, tl.int32)  # last index with positive weight
+        run = tl.zeros([], tl.float32)
+        for start in range(0, V, BLOCK_V):
+            if pick == V:  # chunks after the hit cannot change the answer
+                offs = start + tl.arange(0, BLOCK_V)
+                mask = offs < V
+                p = tl.load(p_row + offs, mask=mask, other=0.0)
+                w = tl.where(residual, _residual(p, q_row, offs, mask, x, residual, HAS_Q), p)
+                cs = run + tl.cumsum(w, axis=0)  # [BLOCK_V]
+                pick = tl.min(tl.where(mask & (cs > thr), offs, V), axis=0)
+                last = tl.maximum(last, tl.max(tl.where(mask & (w > 0.0), offs, -1), axis=0))
+                run += tl.sum(w, axis=0)
+        tok = tl.where(pick < V, pick, tl.maximum(last, 0))
+        tl.store(out_next_ptr + c, tok.to(tl.int64))
+
+
+def _check_chains(
+    rows: torch.Tensor,
+    name: str,
+    dtypes: tuple[torch.dtype, ...],
+    row_starts: torch.Tensor,
+    drafts: torch.Tensor,
+    lengths: torch.Tensor,
+) -> tuple[int, int]:
+    """Shape/dtype/device checks shared by the Triton wrappers; returns (B, Lmax)."""
+    dev = rows.device
+    assert rows.dim() == 2, f"{name} must be [R, V], got shape {tuple(rows.shape)}"
+    assert rows.dtype in dtypes, f"{name} dtype must be one of {dtypes}, got {rows.dtype}"
+    assert rows.stride(1) == 1, f"{name} last dim must be contiguous, strides {rows.stride()}"
+    assert rows.shape[1] > 0, f"{name} must have a non-empty vocab dim"
+    assert drafts.dim() == 2, f"drafts must be [B, Lmax], got shape {tuple(drafts.shape)}"
+    b, lmax = drafts.shape
+    for t, tname in ((row_starts, "row_starts"), (lengths, "lengths")):
+        assert t.shape == (b,), f"{tname} must be [{b}], got {tuple(t.shape)}"
+    for t, tname in ((row_starts, "row_starts"), (drafts, "drafts"), (lengths, "lengths")):
+        assert t.dtype == torch.int64, f"{tname} must be int64, got {t.dtype}"
+        assert t.device == dev, f"{tname} on {t.device}, {name} on {dev}"
+    return b, lmax
+
+
+def greedy_verify_triton(
+    logits: torch.Tensor,
+    row_starts: torch.Tensor,
+    drafts: torch.Tensor,
+    lengths: torch.Tensor,
+    block_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton greedy verification: one program per chain."""
+    if not HAS_TRITON:
+        raise RuntimeError("greedy_verify_triton needs triton, which is not installed")
+    b, _ = _check_chains(logits, "logits", _LOGIT_DTYPES, row_starts, drafts, lengths)
+    block_v = _check_block(block_v)
+    dev = logits.device
+    accept_len = torch.empty(b, dtype=torch.int64, device=dev)
+    next_token = torch.empty(b, dtype=torch.int64, device=dev)
+    if b == 0:
+        return accept_len, next_token
+    _greedy_verify_kernel[(b,)](
+        logits,
+        logits.stride(0),
+        row_starts,
+        row_starts.stride(0),
+        drafts,
+        drafts.stride(0),
+        drafts.stride(1),
+        lengths,
+        lengths.stride(0),
+        accept_len,
+        next_token,
+        logits.shape[1],
+        BLOCK_V=block_v,
+        num_warps=4,
+    )
+    return accept_len, next_token
+
+
+def rejection_verify_triton(
+    probs: torch.Tensor,
+    row_starts: torch.Tensor,
+    drafts: torch.Tensor,
+    lengths: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_starts: torch.Tensor | None,
+    uniforms: torch.Tensor,
+    block_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton rejection sampling: one program per chain, two passes over the final row."""
+    if not HAS_TRITON:
+        raise RuntimeError("rejection_verify_triton needs triton, which is not installed")
+    b, lmax = _check_chains(probs, "probs", (torch.float32,), row_starts, drafts, lengths)
+    dev = probs.device
+    v = probs.shape[1]
+    if draft_probs is not None:
+        assert draft_probs.dim() == 2 and draft_probs.shape[1] == v, (
+            f"draft_probs must be [D, {v}], got {tuple(draft_probs.shape)}"
+        )
+        assert draft_probs.dtype == torch.float32, (
+            f"draft_probs must be float32, got {draft_probs.dtype}"
+        )
+        assert draft_probs.stride(1) == 1, (
+            f"draft_probs last dim must be contiguous, strides {draft_probs.stride()}"
+        )
+        assert draft_probs.device == dev, f"draft_probs on {draft_probs.device}, probs on {dev}"
+        assert draft_starts is not None, "draft_starts is required with draft_probs"
+        assert draft_starts.shape == (b,), (
+            f"draft_starts must be [{b}], got {tuple(draft_starts.shape)}"
+        )
+        assert draft_starts.dtype == torch.int64, (
+            f"draft_starts must be int64, got {draft_starts.dtype}"
+        )
+        assert draft_starts.device == dev, f"draft_starts on {draft_starts.device}, probs on {dev}"
+    assert uniforms.shape == (b, lmax + 1), (
+        f"uniforms must be [{b}, {lmax + 1}], got {tuple(uniforms.shape)}"
+    )
+    assert uniforms.dtype == torch.float32, f"uniforms must be float32, got {uniforms.dtype}"
+    assert uniforms.device == dev, f"uniforms on {uniforms.device}, probs on {dev}"
+    block_v = _check_block(block_v)
+    accept_len = torch.empty(b, dtype=torch.int64, device=dev)
+    next_token = torch.empty(b, dtype=torch.int64, device=dev)
+    if b == 0:
+        return accept_len, next_token
+    # Without draft_probs the kernel never reads q; any tensors will do.
+    q = draft_probs if draft_probs is not None else probs
+    q_starts = draft_starts if draft_probs is not None else row_starts
+    _rejection_verify_kernel[(b,)](
+        probs,
+        probs.stride(0),
+        row_starts,
+        row_starts.stride(0),
+        drafts,
+        drafts.stride(0),
+        drafts.stride(1),
+        lengths,
+        lengths.stride(0),
+        q,
+        q.stride(0),
+        q_starts,
+        q_starts.stride(0),
+        uniforms,
+        uniforms.stride(0),
+        uniforms.stride(1),
+        accept_len,
+        next_token,
+        v,
+        lmax,
+        HAS_Q=draft_probs is not None,
+        BLOCK_V=block_v,
+        num_warps=4,
+    )
+    return accept_len, next_token
+
+
+def _check_block(block_v: int | None) -> int:
+    if block_v is None:
+        return DEFAULT_BLOCK_V
+    assert block_v > 0 and block_v & (block_v - 1) == 0, f"block_v must be a power of 2: {block_v}"
+    return block_v
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def _use_triton(backend: str, t: torch.Tensor) -> bool:
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown chain verify backend {backend!r}; expected one of {_BACKENDS}")
+    return backend == "triton" or (backend == "auto" and t.is_cuda and HAS_TRITON)
+
+
+def greedy_verify(
+    logits: torch.Tensor,
+    row_starts: torch.Tensor,
+    drafts: torch.Tensor,
+    lengths: torch.Tensor,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch: "auto" uses Triton on CUDA tensors, the torch reference elsewhere."""
+    if _use_triton(backend, logits):
+        return greedy_verify_triton(logits, row_starts, drafts, lengths)
+    return greedy_verify_ref(logits, row_starts, drafts, lengths)
+
+
+def rejection_verify(
+    probs: torch.Tensor,
+    row_starts: torch.Tensor,
+    drafts: torch.Tensor,
+    lengths: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_starts: torch.Tensor | None,
+    uniforms: torch.Tensor,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch: "auto" uses Triton on CUDA tensors, the torch reference elsewhere."""
+    args = (probs, row_starts, drafts, lengths, draft_probs, draft_starts, uniforms)
+    if _use_triton(backend, probs):
+        return rejection_verify_triton(*args)
+    return rejection_verify_ref(*args)
