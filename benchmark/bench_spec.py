@@ -46,6 +46,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--prompts-file", default=None, help="text prompts, one per line (default: random ids)"
     )
+    p.add_argument(
+        "--logprob-overhead",
+        type=int,
+        default=None,
+        metavar="BATCH",
+        help="instead: DSPARK tok/s with top_logprobs=5 vs without at this batch size",
+    )
     p.add_argument("--output-json", default=None)
     return p.parse_args()
 
@@ -94,6 +101,8 @@ def main() -> int:
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(4, 500, (max_bs, args.input_len), generator=g).tolist()
     sp = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
+    if args.logprob_overhead:
+        return logprob_overhead(engines, prompts, sp, args, root)
 
     def run(name: str, bs: int) -> tuple[float, float]:
         eng = engines[name]
@@ -142,6 +151,38 @@ def main() -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    return 0
+
+
+def logprob_overhead(engines, prompts, sp, args, root: str) -> int:
+    """DSPARK with top_logprobs=5 (and token logprobs) vs without, interleaved."""
+    eng = engines["DSPARK"]
+    bs = args.logprob_overhead
+    batch = [prompts[i % len(prompts)] for i in range(bs)]
+
+    def run(logprobs: bool) -> float:
+        kw = dict(return_logprob=True, top_logprobs_num=5) if logprobs else {}
+        start = time.perf_counter()
+        outs = eng.generate(input_ids=batch, sampling_params=sp, **kw)
+        return sum(len(o["output_ids"]) for o in outs) / (time.perf_counter() - start)
+
+    run(False), run(True)  # warm-up
+    without, with_lp = [], []
+    for _ in range(args.repeats):
+        without.append(run(False))
+        with_lp.append(run(True))
+    a, b = statistics.median(without), statistics.median(with_lp)
+    for e in engines.values():
+        e.shutdown()
+    shutil.rmtree(root, ignore_errors=True)
+    print(f"DSPARK batch {bs}, output {args.output_len}, median of {args.repeats}")
+    print(f"without logprobs {a:9.1f} tok/s")
+    print(f"top_logprobs=5   {b:9.1f} tok/s   ({100 * (a - b) / a:+.1f}% slower)")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(
+                {"batch": bs, "tok_s": a, "tok_s_logprobs": b, "slowdown": (a - b) / a}, f, indent=2
+            )
     return 0
 
 

@@ -62,6 +62,16 @@ class _TorchPlan:
     # Requests with several query tokens, one SDPA call each: (first token row,
     # q_len, kv_len, pages to gather or None when nothing was cached before).
     multi: list[tuple[int, int, int, torch.Tensor | None]]
+    # Short chains over a cached prefix (speculative verify), batched with padding.
+    chain_index: torch.Tensor | None = None  # [Bc, Qmax] token rows (padding repeats a row)
+    chain_valid: torch.Tensor | None = None  # [Bc, Qmax] bool: a real query
+    chain_rows: torch.Tensor | None = None  # [n] token rows of the real queries, in order
+    chain_pages: torch.Tensor | None = None  # [Bc, P]
+    chain_mask: torch.Tensor | None = None  # [Bc, 1, Qmax, P * page_size] bool
+
+
+# Chains up to this long share one padded SDPA call; longer chunks go one by one.
+CHAIN_MAX = 16
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -76,6 +86,7 @@ class TorchAttentionBackend(AttentionBackend):
         device = meta.positions.device
         ps = meta.page_size
         single_ids: list[int] = []
+        chain_ids: list[int] = []
         multi: list[tuple[int, int, int, torch.Tensor | None]] = []
         row = 0
         starts = []
@@ -83,6 +94,8 @@ class TorchAttentionBackend(AttentionBackend):
             starts.append(row)
             if q_len == 1:
                 single_ids.append(i)
+            elif q_len <= CHAIN_MAX and kv_len > q_len:
+                chain_ids.append(i)
             else:
                 pages = None
                 if kv_len > q_len:
@@ -102,7 +115,40 @@ class TorchAttentionBackend(AttentionBackend):
             single_bias = bias.to(device, non_blocking=True)[:, None, None, :]
             if len(single_ids) != len(meta.q_lens):
                 single_rows = torch.tensor([starts[i] for i in single_ids], device=device)
-        meta.plan = _TorchPlan(single_rows, single_pages, single_bias, multi)
+        plan = _TorchPlan(single_rows, single_pages, single_bias, multi)
+        if chain_ids:
+            self._plan_chains(plan, meta, chain_ids, starts)
+        meta.plan = plan
+
+    def _plan_chains(
+        self, plan: _TorchPlan, meta: AttentionMetadata, ids: list[int], starts: list[int]
+    ) -> None:
+        device = meta.positions.device
+        ps = meta.page_size
+        q_lens = [meta.q_lens[i] for i in ids]
+        kv_lens = [meta.kv_lens[i] for i in ids]
+        qmax = max(q_lens)
+        tables = [page_tensor(meta.page_tables[i], n, ps) for i, n in zip(ids, kv_lens)]
+        width = max(len(t) for t in tables)
+        pages = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        offs = torch.arange(qmax)
+        q_len_t = torch.tensor(q_lens)
+        valid = offs[None, :] < q_len_t[:, None]  # [Bc, Qmax]
+        first = torch.tensor([starts[i] for i in ids])
+        index = first[:, None] + torch.minimum(offs[None, :], q_len_t[:, None] - 1)
+        # Query i of a chain sits at kv_len - q_len + i and sees keys up to there;
+        # padding queries repeat the last real one (their output is dropped).
+        qpos = (
+            torch.tensor(kv_lens)[:, None]
+            - q_len_t[:, None]
+            + torch.minimum(offs[None, :], q_len_t[:, None] - 1)
+        )
+        mask = torch.arange(width * ps)[None, None, :] <= qpos[:, :, None]  # [Bc, Qmax, P*ps]
+        plan.chain_index = index.to(device)
+        plan.chain_valid = valid.to(device)
+        plan.chain_rows = index[valid].to(device)
+        plan.chain_pages = pages.to(device)
+        plan.chain_mask = mask[:, None].to(device)
 
     def _gather(self, cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
         """``[..., P]`` page ids -> ``[..., P * page_size, Hkv, D]`` keys or values."""
@@ -129,6 +175,14 @@ class TorchAttentionBackend(AttentionBackend):
                 out = o
             else:
                 out[plan.single_rows] = o
+        if plan.chain_index is not None:
+            qc = q[plan.chain_index].transpose(1, 2)  # [Bc, H, Qmax, D]
+            kc = self._gather(k_cache, plan.chain_pages, ps).transpose(1, 2)  # [Bc, Hkv, L, D]
+            vc = self._gather(v_cache, plan.chain_pages, ps).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qc, kc, vc, attn_mask=plan.chain_mask, enable_gqa=gqa
+            )
+            out[plan.chain_rows] = o.transpose(1, 2)[plan.chain_valid]
         for start, q_len, kv_len, pages in plan.multi:
             qm = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
             if pages is None:
