@@ -146,3 +146,42 @@ def test_grammar_termination_inside_a_run(plain) -> None:
     if plain.config.logprobs_mode == "processed":
         # Tokens the grammar forbids report -9999 in the top-k, never -inf.
         assert any(v == -9999.0 for top in meta["output_top_logprobs"] for v, _, _ in top)
+
+
+def test_triton_kernels_in_the_speculative_path(plain) -> None:
+    """Chain verification and committed-row logprobs through the Triton kernels
+    (interpreted on the CPU) give what the torch references give."""
+    prompts = random_prompts(2, [5, 9], seed=75)
+    want = plain.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 8}, **LP)
+    oracle = OracleProposer({r: w["output_ids"] for r, w in zip("ab", want)}, [2, 99], max_drafts=3)
+    eng = Engine(
+        model_path=model_path("qwen3"),
+        device="cpu",
+        max_total_tokens=1024,
+        page_size=4,
+        logprobs_mode=plain.config.logprobs_mode,
+        proposer=oracle,
+        kernel_backend="triton",
+    )
+    try:
+        got = eng.generate(
+            input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 8}, rid=["a", "b"], **LP
+        )
+        sampled = eng.generate(
+            input_ids=prompts[0],
+            sampling_params={"temperature": 1.0, "seed": 3, "max_new_tokens": 6},
+            return_logprob=True,
+        )
+    finally:
+        eng.shutdown()
+    for g, w in zip(got, want):
+        assert g["output_ids"] == w["output_ids"]
+        close(g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"])
+        for a, b in zip(
+            g["meta_info"]["output_top_logprobs"], w["meta_info"]["output_top_logprobs"]
+        ):
+            close(a, b)
+    assert (
+        len(sampled["meta_info"]["output_token_logprobs"])
+        == sampled["meta_info"]["completion_tokens"]
+    )

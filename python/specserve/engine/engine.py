@@ -4,6 +4,7 @@ hands results back to blocking callers and asyncio streams alike."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import queue
@@ -70,6 +71,11 @@ class Engine:
         self._stopping = threading.Event()
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None  # started by the first async caller
+        # Everything built so far (modules, weights, tokenizer) lives as long as the
+        # engine: keep it out of the collector's full passes, which otherwise
+        # stall every step that allocates many small objects (logprob entries).
+        gc.collect()
+        gc.freeze()
         logger.info(
             "engine ready: %s (%s) on %s, %s, KV capacity %d tokens, loaded in %.1fs",
             model_path,

@@ -83,7 +83,11 @@ class EngineCore:
             lookahead=proposer.max_drafts if proposer else 0,
             on_release=proposer.release if proposer else None,
         )
-        self.spec = SpecDecoder(proposer, self.scheduler, runner.vocab_size) if proposer else None
+        self.spec = (
+            SpecDecoder(proposer, self.scheduler, runner.vocab_size, config.kernel_backend)
+            if proposer
+            else None
+        )
         self.sampler = Sampler(runner.device, config.random_seed)
         self.output_processor = OutputProcessor(
             tokenizer, config.logprobs_mode, runner.context_length, config.kernel_backend

@@ -43,8 +43,8 @@ def score_rows(
     if not queries:
         return []
     device = logits.device
+    # The kernel reads just these rows of the (possibly much larger) logits.
     rows = torch.tensor([q.row for q in queries], dtype=torch.int64, device=device)
-    block = logits.index_select(0, rows)  # [n, V]
     token_ids = torch.tensor([q.token_id for q in queries], dtype=torch.int64, device=device)
     temps = None
     if any(q.temperature != 1.0 for q in queries):
@@ -55,7 +55,7 @@ def score_rows(
     if width:
         padded = [list(q.ids or ()) + [-1] * (width - len(q.ids or ())) for q in queries]
         gather = torch.tensor(padded, dtype=torch.int64, device=device)
-    out = row_logprobs(block, token_ids, temps, top_k, gather, backend=backend)
+    out = row_logprobs(logits, token_ids, temps, top_k, gather, backend=backend, row_ids=rows)
     token_lp = out.token_logprobs.clamp(min=MIN_LOGPROB).tolist()
     top_v = out.top_values.clamp(min=MIN_LOGPROB).tolist()
     top_i = out.top_ids.tolist()

@@ -23,14 +23,21 @@ from specserve.grammar.bitmask import allocate_bitmask, apply_bitmask, fill_chai
 from specserve.runner.model_runner import ForwardOutput
 from specserve.sampling.penalties import RowControls, process_logits
 from specserve.speculative.base import Proposer
-from specserve.speculative.verify import verify_chain
+from specserve.speculative.verify import Chain, verify_chains
 
 
 class SpecDecoder:
-    def __init__(self, proposer: Proposer, scheduler: Scheduler, vocab_size: int) -> None:
+    def __init__(
+        self,
+        proposer: Proposer,
+        scheduler: Scheduler,
+        vocab_size: int,
+        kernel_backend: str = "auto",
+    ) -> None:
         self.proposer = proposer
         self.scheduler = scheduler
         self.vocab_size = vocab_size
+        self.kernel_backend = kernel_backend
         self.verify_rounds = 0  # request-rounds, over the engine's life
         self.committed_tokens = 0
 
@@ -66,19 +73,25 @@ class SpecDecoder:
     ) -> tuple[list[RunCommit], list[tuple[list[int], torch.Tensor]]]:
         """The committed run of every chain, and its processed rows (for
         ``--logprobs-mode processed``) as (row indices, logits)."""
-        runs: list[RunCommit] = []
+        chains: list[Chain] = []
+        where: list[tuple[int, int]] = []  # (step, first verify row)
         processed: list[tuple[list[int], torch.Tensor]] = []
         for i, step in enumerate(batch.steps):
             if not step.verify:
                 continue
             req, drafts = step.req, step.drafts
             lo = fwd.row_offsets[i]
-            rows = list(range(lo, lo + 1 + len(drafts)))
             x = self._process_rows(fwd.logits[lo : lo + 1 + len(drafts)].clone(), step.req, drafts)
-            generator = req.generator or shared_generator
-            result = verify_chain(x, drafts, step.draft_q, req.sampling, generator)
-            runs.append(RunCommit(i, result.tokens, [lo + r for r in result.rows]))
-            processed.append((rows, x))
+            chains.append(
+                Chain(x, drafts, step.draft_q, req.sampling, req.generator or shared_generator)
+            )
+            where.append((i, lo))
+            processed.append((list(range(lo, lo + 1 + len(drafts))), x))
+        results = verify_chains(chains, self.kernel_backend) if chains else []
+        runs = [
+            RunCommit(i, r.tokens, [lo + row for row in r.rows])
+            for (i, lo), r in zip(where, results)
+        ]
         return runs, processed
 
     def _process_rows(self, x: torch.Tensor, req, drafts: Sequence[int]) -> torch.Tensor:
