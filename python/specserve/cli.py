@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
             return _make_tiny_model(args)
         if args.command == "make-tiny-dspark":
             return _make_tiny_dspark(args)
+        if args.command == "train-dspark":
+            return _train_dspark(args)
+        if args.command == "build-demo":
+            return _build_demo(args)
         if args.command == "generate":
             return _generate(args)
     except ValueError as e:  # bad input: one clear line, no traceback
@@ -43,6 +47,53 @@ def _make_tiny_model(args: Any) -> int:
         seed=args.seed,
     )
     print(f"wrote a tiny {args.arch} checkpoint to {path}")
+    return 0
+
+
+def _build_demo(args: Any) -> int:
+    from specserve.training.demo import DemoConfig, build_demo
+
+    overrides = {
+        k: v
+        for k, v in vars(args).items()
+        if k in ("pretrain_steps", "drafter_steps", "gen_prompts", "eval_prompts", "vocab_size")
+        and v is not None
+    }
+    figures = build_demo(DemoConfig(out=args.out, work=args.work, **overrides))
+    print(json.dumps(figures, indent=2))
+    return 0
+
+
+def _train_dspark(args: Any) -> int:
+    from specserve.training.train_dspark import DSparkTrainConfig, DSparkTrainer
+
+    cfg = DSparkTrainConfig(
+        target=args.target,
+        data=tuple(args.data),
+        out=args.out,
+        block_size=args.block_size,
+        num_layers=args.num_layers,
+        markov_rank=args.markov_rank,
+        markov_head_type=args.markov_head_type,
+        confidence_head=args.confidence_head and args.markov_rank > 0,
+        target_layer_ids=tuple(args.target_layer_ids) if args.target_layer_ids else None,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        anchors=args.anchors,
+        lr=args.lr,
+        save_every=args.save_every,
+        seed=args.seed,
+        dtype=args.dtype,
+    )
+    trainer = DSparkTrainer(cfg)
+    history = trainer.train()
+    if history:
+        last = history[-1]
+        print(
+            f"step {trainer.step}: loss {last.loss:.4f}, accept {last.accept:.3f}, tau {last.tau:.2f}"
+        )
+    print(f"drafter written to {cfg.out}")
     return 0
 
 

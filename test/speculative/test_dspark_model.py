@@ -202,3 +202,29 @@ def test_startup_errors(drafters, tmp_path) -> None:
         kwargs.update(extra)
         with pytest.raises(ValueError, match=message):
             Engine(model_path=model_path("qwen3"), **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "rnn"])
+def test_training_forward_equals_the_inference_path(drafters, kind) -> None:
+    """Many anchors of whole sequences at once (training) give each block what a
+    from-scratch inference forward gives, and the teacher-forced logits equal
+    the draft loop's when the drafts are fed back as the previous tokens."""
+    prop, _ = proposer_for(drafters[kind], speculative_dspark_confidence_threshold=1e-9)
+    m = prop.model
+    g = torch.Generator().manual_seed(9)
+    b, t, block = 2, 12, prop.max_drafts
+    feats = torch.randn(b, t, m.fc.in_features, generator=g)
+    ids = torch.randint(4, 500, (b, t), generator=g)
+    anchors = torch.tensor([[0, 5, 11], [3, 4, 9]])
+    with torch.no_grad():
+        hidden = m.train_hidden(feats, ids, anchors, block)
+        for i in range(b):
+            for j in range(anchors.shape[1]):
+                pos = int(anchors[i, j])
+                ref = m.naive_block(feats[i, :pos], int(ids[i, pos]), block)
+                torch.testing.assert_close(hidden[i, j], ref, atol=1e-5, rtol=0)
+        tokens, probs, conf = m.draft(hidden[0], ids[0, anchors[0]], torch.zeros(3))
+        prev = torch.cat([ids[0, anchors[0]][:, None], tokens[:, :-1]], dim=1)
+        logits, tconf = m.train_logits(hidden[0], prev)
+        assert torch.equal(logits.argmax(-1), tokens)
+        torch.testing.assert_close(tconf, conf, atol=1e-6, rtol=0)

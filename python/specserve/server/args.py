@@ -216,6 +216,48 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--json", action="store_true", help="print the raw result dicts as JSON")
 
+    train = sub.add_parser(
+        "train-dspark", help="train a DSpark (or DFlash) drafter for a local target"
+    )
+    train.add_argument("--target", required=True, help="target checkpoint directory")
+    train.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        help="text files, or .jsonl with input_ids or text per line",
+    )
+    train.add_argument(
+        "--out", required=True, help="drafter output directory (resumed if it holds a run)"
+    )
+    train.add_argument("--block-size", type=int, default=7)
+    train.add_argument("--num-layers", type=int, default=1)
+    train.add_argument("--markov-rank", type=int, default=32, help="0 trains a DFlash drafter")
+    train.add_argument("--markov-head-type", choices=("vanilla", "gated", "rnn"), default="vanilla")
+    train.add_argument("--confidence-head", action=argparse.BooleanOptionalAction, default=True)
+    train.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
+    train.add_argument("--steps", type=int, default=1000)
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--seq-len", type=int, default=256)
+    train.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step")
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--save-every", type=int, default=200)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default="float32",
+        help="dtype of the saved weights",
+    )
+
+    demo = sub.add_parser("build-demo", help="build the demo target and drafters from the stdlib sources")
+    demo.add_argument("--out", required=True, help="where the assets go (target/, dspark/, dflash/)")
+    demo.add_argument("--work", required=True, help="intermediate files; finished stages are reused")
+    demo.add_argument("--pretrain-steps", type=int, default=None)
+    demo.add_argument("--drafter-steps", type=int, default=None)
+    demo.add_argument("--gen-prompts", type=int, default=None)
+    demo.add_argument("--eval-prompts", type=int, default=None)
+    demo.add_argument("--vocab-size", type=int, default=None)
+
     draft = sub.add_parser(
         "make-tiny-dspark",
         help="write a random-weight DSpark drafter (DeepSpec format) for a target",

@@ -315,6 +315,64 @@ class DSparkDraftModel(nn.Module):
         conf = torch.stack(confs, dim=1) if confs else None
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, conf
 
+    # ---- training -----------------------------------------------------------
+
+    def train_hidden(
+        self,
+        features: torch.Tensor,  # [B, T, m * d] captured target layers of every position
+        input_ids: torch.Tensor,  # [B, T]
+        anchors: torch.Tensor,  # [B, A] anchor positions
+        block_size: int,
+    ) -> torch.Tensor:
+        """Blocks at many anchors of whole sequences at once: ``[B, A, gamma, d]``.
+        Block ``(b, a)`` sees the context positions ``< anchors[b, a]``."""
+        b, t = input_ids.shape
+        a = anchors.shape[1]
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        h_ctx = self.hidden_norm(self.fc(features))  # [B, T, d]
+        ctx = []
+        for layer in self.layers:
+            k, v = layer.self_attn.kv(h_ctx, positions, self.rotary)  # [B, T, Hkv, D]
+            ctx.append(
+                tuple(
+                    x[:, None].expand(b, a, *x.shape[1:]).reshape(b * a, *x.shape[1:])
+                    for x in (k, v)
+                )
+            )
+        past = positions[:, None, :] >= anchors[:, :, None]  # [B, A, T]
+        bias = torch.zeros(past.shape, device=past.device).masked_fill(past, float("-inf"))
+        tokens = input_ids.gather(1, anchors)  # [B, A]
+        hidden = self.block_hidden(
+            tokens.flatten(), anchors.flatten(), ctx, bias.view(b * a, t), block_size
+        )
+        return hidden.view(b, a, block_size, -1)
+
+    def train_logits(
+        self, hidden: torch.Tensor, prev: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Teacher-forced draft logits ``[..., gamma, V]`` (Markov-corrected, with
+        ``prev [..., gamma]`` the token before each slot) and confidences."""
+        lead, g = hidden.shape[:-2], hidden.shape[-2]
+        h = hidden.reshape(-1, g, hidden.shape[-1])
+        p = prev.reshape(-1, g)
+        logits = self.lm_head(h).float()  # [N, G, V]
+        state = self.markov_head.init_state(h.shape[0], h) if self.use_markov else None
+        corrections, confs = [], []
+        for k in range(g):
+            prev_embed = None
+            if self.use_markov:
+                bias, state, prev_embed = self.markov_head.step(p[:, k], h[:, k], state)
+                corrections.append(bias.float())
+            if self.use_confidence:
+                feats = h[:, k]
+                if self.config.confidence_head_with_markov and prev_embed is not None:
+                    feats = torch.cat([feats, prev_embed], dim=-1)
+                confs.append(self.confidence_head(feats))
+        if corrections:
+            logits = logits + torch.stack(corrections, dim=1)
+        conf = torch.stack(confs, dim=1).view(*lead, g) if confs else None
+        return logits.view(*lead, g, -1), conf
+
     # ---- reference ----------------------------------------------------------
 
     def naive_block(self, features: torch.Tensor, anchor: int, block_size: int) -> torch.Tensor:

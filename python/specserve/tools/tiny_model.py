@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterable
 from typing import Any
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
@@ -30,8 +31,8 @@ def stdlib_corpus() -> list[str]:
     return list(topics.topics.values())
 
 
-@functools.lru_cache(maxsize=4)
-def _train_tokenizer_json(vocab_size: int) -> str:
+def train_bpe(texts: Iterable[str], vocab_size: int) -> str:
+    """A byte-level BPE tokenizer (as JSON) with the ChatML and mask specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -43,20 +44,29 @@ def _train_tokenizer_json(vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(stdlib_corpus(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     return tok.to_str()
 
 
-def save_tokenizer(path: str, vocab_size: int = 512) -> Any:
-    """Train (once per process) and save a ChatML byte-level BPE tokenizer."""
+@functools.lru_cache(maxsize=4)
+def _docs_tokenizer_json(vocab_size: int) -> str:
+    return train_bpe(stdlib_corpus(), vocab_size)
+
+
+def save_tokenizer(
+    path: str, vocab_size: int = 512, tokenizer_json: str | None = None, eos: str = "<|im_end|>"
+) -> Any:
+    """Save a ChatML byte-level BPE tokenizer (by default one trained, once
+    per process, on Python's documentation)."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
+    specials = [t for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>") if t != eos]
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_train_tokenizer_json(vocab_size)),
-        eos_token="<|im_end|>",
+        tokenizer_object=Tokenizer.from_str(tokenizer_json or _docs_tokenizer_json(vocab_size)),
+        eos_token=eos,
         pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|mask|>"],
+        additional_special_tokens=[t for t in specials if t != "<|endoftext|>"],
     )
     tok.chat_template = CHATML_TEMPLATE
     tok.save_pretrained(path)

@@ -1,0 +1,52 @@
+"""Training data: token sequences from text files or pre-tokenised JSONL."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+def read_token_stream(paths: Sequence[str], encode, eos_id: int) -> list[int]:
+    """All documents as one token stream, each followed by ``eos_id``.
+
+    ``.jsonl`` lines hold ``{"input_ids": [...]}`` (used as given) or
+    ``{"text": "..."}``; any other file is one text document.
+    """
+    stream: list[int] = []
+    for path in paths:
+        if not os.path.isfile(path):
+            raise ValueError(f"data: {path!r} is not a file")
+        if path.endswith(".jsonl"):
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"data: {path}:{n}: {e}") from None
+                    ids = row.get("input_ids") or encode(row.get("text", ""))
+                    stream.extend(int(t) for t in ids)
+                    stream.append(eos_id)
+        else:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                stream.extend(encode(f.read()))
+            stream.append(eos_id)
+    return stream
+
+
+def chunk(stream: Sequence[int], seq_len: int) -> torch.Tensor:
+    """Non-overlapping ``[N, seq_len]`` windows of the stream (the tail dropped)."""
+    n = len(stream) // seq_len
+    if n == 0:
+        raise ValueError(f"data: {len(stream)} tokens are fewer than one sequence of {seq_len}")
+    return torch.tensor(stream[: n * seq_len], dtype=torch.int64).view(n, seq_len)
+
+
+def write_jsonl(path: str, sequences: Iterable[Sequence[int]]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for ids in sequences:
+            f.write(json.dumps({"input_ids": list(ids)}) + "\n")
