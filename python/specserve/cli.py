@@ -115,7 +115,9 @@ def _make_tiny_dspark(args: Any) -> int:
 
 def _generate(args: Any) -> int:
     from specserve import Engine
+    from specserve.server.args import apply_demo_defaults
 
+    apply_demo_defaults(args)
     sp = {
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,

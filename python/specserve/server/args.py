@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Any
 
 from specserve.config import (
@@ -23,8 +24,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument(
         "--model-path",
-        required=True,
-        help="local HF checkpoint directory (config.json + *.safetensors)",
+        default=None,
+        help="local HF checkpoint directory (config.json + *.safetensors); "
+        "default: the bundled demo model",
     )
     g.add_argument(
         "--tokenizer-path", default=None, help="tokenizer directory (default: the model path)"
@@ -173,6 +175,21 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
+def apply_demo_defaults(args: argparse.Namespace) -> None:
+    """No ``--model-path``: the bundled demo target; DSPARK / DFLASH on it with
+    no draft path: its bundled drafter."""
+    from specserve.assets import demo_path
+
+    if args.model_path is None:
+        args.model_path = demo_path("target")
+    alg = getattr(args, "speculative_algorithm", None)
+    on_demo = (
+        os.path.realpath(args.model_path) == os.path.realpath(demo_path("target")) if alg else False
+    )
+    if alg in ("DSPARK", "DFLASH") and args.speculative_draft_model_path is None and on_demo:
+        args.speculative_draft_model_path = demo_path(alg.lower())
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Engine keyword arguments from parsed flags (unset optional flags dropped)."""
     names = {
@@ -249,9 +266,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of the saved weights",
     )
 
-    demo = sub.add_parser("build-demo", help="build the demo target and drafters from the stdlib sources")
-    demo.add_argument("--out", required=True, help="where the assets go (target/, dspark/, dflash/)")
-    demo.add_argument("--work", required=True, help="intermediate files; finished stages are reused")
+    demo = sub.add_parser(
+        "build-demo", help="build the demo target and drafters from the stdlib sources"
+    )
+    demo.add_argument(
+        "--out", required=True, help="where the assets go (target/, dspark/, dflash/)"
+    )
+    demo.add_argument(
+        "--work", required=True, help="intermediate files; finished stages are reused"
+    )
     demo.add_argument("--pretrain-steps", type=int, default=None)
     demo.add_argument("--drafter-steps", type=int, default=None)
     demo.add_argument("--gen-prompts", type=int, default=None)

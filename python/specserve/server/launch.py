@@ -22,9 +22,10 @@ def serve(args: argparse.Namespace) -> int:
 
     from specserve.engine.engine import Engine
     from specserve.server.app import create_app
-    from specserve.server.args import engine_kwargs, server_config
+    from specserve.server.args import apply_demo_defaults, engine_kwargs, server_config
 
     try:
+        apply_demo_defaults(args)
         cfg = server_config(args)
     except ValueError as e:
         print(f"specserve: error: {e}", file=sys.stderr)

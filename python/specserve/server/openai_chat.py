@@ -17,6 +17,7 @@ from specserve.sampling.logprobs import TokenLogprob
 from specserve.server.context import ServerContext, sse
 from specserve.server.errors import APIError
 from specserve.server.openai_common import (
+    BASE_RENAMES,
     constraint_renames,
     finish_name,
     sampling_dict,
@@ -27,12 +28,10 @@ from specserve.server.openai_common import (
 router = APIRouter()
 
 RENAMES = {
-    "max_new_tokens": "max_tokens",
-    "min_new_tokens": "min_tokens",
+    **BASE_RENAMES,
     "top_logprobs_num": "top_logprobs",
     "input_ids": "messages",
     "prompt": "messages",
-    "return_logprob": "logprobs",
 }
 MAX_TOP_LOGPROBS = 20  # OpenAI's own cap for chat
 

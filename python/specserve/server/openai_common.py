@@ -9,6 +9,13 @@ from specserve.engine.request import FinishReason
 from specserve.protocol.openai import SamplingFields
 from specserve.server.errors import APIError
 
+# Engine field names in validation errors -> the OpenAI endpoints' own names.
+BASE_RENAMES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "return_logprob": "logprobs",
+}
+
 # OpenAI field -> SamplingParams field, for fields that are passed through when set.
 _PASS_THROUGH = {
     "temperature": "temperature",

@@ -18,6 +18,7 @@ from specserve.sampling.logprobs import TokenLogprob
 from specserve.server.context import ServerContext, sse
 from specserve.server.errors import APIError
 from specserve.server.openai_common import (
+    BASE_RENAMES,
     constraint_renames,
     finish_name,
     sampling_dict,
@@ -28,11 +29,9 @@ from specserve.server.openai_common import (
 router = APIRouter()
 
 RENAMES = {
-    "max_new_tokens": "max_tokens",
-    "min_new_tokens": "min_tokens",
+    **BASE_RENAMES,
     "top_logprobs_num": "logprobs",
     "input_ids": "prompt",
-    "return_logprob": "logprobs",
 }
 
 

@@ -1,0 +1,107 @@
+"""A short drafter training run on a tiny target: the loss goes down and the
+checkpoint it writes is one the engine and the server load."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from models_zoo import model_path
+from server_harness import running_server
+from specserve import Engine
+from specserve.training.data import chunk, read_token_stream, write_jsonl
+from specserve.training.train_dspark import DSparkTrainConfig, DSparkTrainer, default_layer_ids
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = model_path("qwen3")
+    # The target's own greedy continuations: what a drafter should learn to predict.
+    eng = Engine(model_path=target, device="cpu", max_total_tokens=4096)
+    try:
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(4, 500, (24, 8), generator=g).tolist()
+        outs = eng.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0, "max_new_tokens": 56, "ignore_eos": True},
+        )
+    finally:
+        eng.shutdown()
+    data = str(root / "data.jsonl")
+    write_jsonl(data, (p + o["output_ids"] for p, o in zip(prompts, outs)))
+    cfg = DSparkTrainConfig(
+        target=target, data=(data,), out=str(root / "drafter"), block_size=4, markov_rank=8,
+        steps=20, batch_size=4, seq_len=64, anchors=8, lr=5e-3, warmup=2, save_every=10, seed=1,
+    )  # fmt: skip
+    trainer = DSparkTrainer(cfg)
+    history = trainer.train(progress=False)
+    return cfg, history
+
+
+def test_loss_goes_down_and_a_checkpoint_is_written(trained) -> None:
+    cfg, history = trained
+    assert len(history) == 20
+    first = sum(m.loss for m in history[:4]) / 4
+    last = sum(m.loss for m in history[-4:]) / 4
+    assert last < first * 0.9, (first, last)
+    files = set(os.listdir(cfg.out))
+    assert {"config.json", "model.safetensors", "train_state.pt"} <= files
+    with open(os.path.join(cfg.out, "config.json")) as f:
+        conf = json.load(f)
+    assert conf["architectures"] == ["Qwen3DSparkModel"] and conf["block_size"] == 4
+    assert conf["markov_rank"] == 8 and conf["enable_confidence_head"]
+
+
+def test_the_server_serves_with_the_trained_drafter(trained, tmp_path) -> None:
+    cfg, _ = trained
+    flags = ("--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", cfg.out)
+    plain = Engine(model_path=cfg.target, device="cpu", max_total_tokens=1024)
+    try:
+        want = plain.generate(
+            input_ids=[5, 6, 7],
+            sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+        )
+    finally:
+        plain.shutdown()
+    with running_server(cfg.target, *flags, log_dir=str(tmp_path)) as s:
+        got = s.http.post(
+            "/generate",
+            json={
+                "input_ids": [5, 6, 7],
+                "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+            },
+        ).json()
+    assert got["output_ids"] == want["output_ids"]
+    assert got["meta_info"]["spec_verify_ct"] > 0
+
+
+def test_resuming_continues_from_the_saved_step(trained, tmp_path) -> None:
+    cfg, _ = trained
+    import shutil
+
+    out = str(tmp_path / "resumed")
+    shutil.copytree(cfg.out, out)
+    more = DSparkTrainer(DSparkTrainConfig(**{**cfg.__dict__, "out": out, "steps": 22}))
+    assert more.step == 20
+    assert len(more.train(progress=False)) == 2 and more.step == 22
+
+
+def test_data_helpers_and_layer_choice(tmp_path) -> None:
+    text = tmp_path / "a.txt"
+    text.write_text("hello world")
+    rows = tmp_path / "b.jsonl"
+    write_jsonl(str(rows), [[1, 2, 3]])
+    stream = read_token_stream([str(text), str(rows)], lambda t: [ord(c) for c in t], eos_id=0)
+    assert stream == [ord(c) for c in "hello world"] + [0, 1, 2, 3, 0]
+    assert chunk(stream, 4).shape == (4, 4)
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        chunk([1, 2], 4)
+    assert (
+        default_layer_ids(2) == (0,)
+        and default_layer_ids(6) == (0, 2, 4)
+        and default_layer_ids(36) == (0, 17, 34)
+    )
