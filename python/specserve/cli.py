@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
             return _build_demo(args)
         if args.command == "generate":
             return _generate(args)
-    except ValueError as e:  # bad input: one clear line, no traceback
+    except (ValueError, OSError) as e:  # bad input: one clear line, no traceback
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
     return 1

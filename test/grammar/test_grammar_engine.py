@@ -201,3 +201,8 @@ def test_grammar_backend_none_disables_constraints() -> None:
         )
     finally:
         eng.shutdown()
+
+
+def test_a_grammar_that_ends_before_min_new_tokens_still_ends_cleanly(engine) -> None:
+    out = engine.generate("x", {"regex": "(yes|no)", "min_new_tokens": 6, "max_new_tokens": 10})
+    assert out["text"] in ("yes", "no") and out["meta_info"]["finish_reason"]["type"] == "stop"

@@ -173,7 +173,7 @@ class EngineCore:
 
     @staticmethod
     def _controls(req: Req) -> RowControls:
-        return RowControls(req.sampling, req.penalty, len(req.output_ids), req.stop_ids)
+        return RowControls(req.sampling, req.penalty, len(req.output_ids), req.held_stop_ids)
 
     def _scoring_logits(
         self,

@@ -99,6 +99,12 @@ class Req:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def held_stop_ids(self) -> frozenset[int]:
+        """Stop ids that ``min_new_tokens`` holds back. A grammar decides by
+        itself when output ends (once complete it allows only EOS): none then."""
+        return frozenset() if self.grammar is not None else self.stop_ids
+
+    @property
     def finished(self) -> bool:
         return self.status is ReqStatus.FINISHED
 

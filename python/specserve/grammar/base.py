@@ -25,7 +25,7 @@ class GrammarSpec:
     @property
     def field(self) -> str:
         """The request field the constraint came from (for error messages)."""
-        return "response_format" if self.kind == "json_object" else self.kind
+        return self.kind
 
 
 class GrammarMatcher(ABC):

@@ -178,16 +178,17 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 def apply_demo_defaults(args: argparse.Namespace) -> None:
     """No ``--model-path``: the bundled demo target; DSPARK / DFLASH on it with
     no draft path: its bundled drafter."""
-    from specserve.assets import demo_path
+    from specserve.assets import DEMO_ROOT, demo_path
 
     if args.model_path is None:
         args.model_path = demo_path("target")
     alg = getattr(args, "speculative_algorithm", None)
-    on_demo = (
-        os.path.realpath(args.model_path) == os.path.realpath(demo_path("target")) if alg else False
-    )
-    if alg in ("DSPARK", "DFLASH") and args.speculative_draft_model_path is None and on_demo:
-        args.speculative_draft_model_path = demo_path(alg.lower())
+    if alg in ("DSPARK", "DFLASH") and args.speculative_draft_model_path is None:
+        on_demo = os.path.realpath(args.model_path) == os.path.realpath(
+            os.path.join(DEMO_ROOT, "target")
+        )
+        if on_demo:
+            args.speculative_draft_model_path = demo_path(alg.lower())
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -99,7 +99,7 @@ class SpecDecoder:
         would see at that point."""
         done = len(req.output_ids)
         controls = [
-            RowControls(req.sampling, req.penalty, done + j, req.stop_ids, tuple(drafts[:j]))
+            RowControls(req.sampling, req.penalty, done + j, req.held_stop_ids, tuple(drafts[:j]))
             for j in range(x.shape[0])
         ]
         process_logits(x, controls)
