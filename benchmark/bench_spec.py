@@ -46,6 +46,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--prompts-file", default=None, help="text prompts, one per line (default: random ids)"
     )
+    p.add_argument("--demo", action="store_true", help="the bundled demo target and its drafters")
+    p.add_argument(
+        "--dataset",
+        choices=("random", "held-in", "held-out"),
+        default="random",
+        help="prompts: random ids, or windows of the standard library sources the demo was "
+        "(held-in) or was not (held-out) trained on",
+    )
     p.add_argument(
         "--logprob-overhead",
         type=int,
@@ -63,6 +71,16 @@ def main() -> int:
     from specserve.tools.tiny_model import make_tiny_dspark, make_tiny_model
 
     root = tempfile.mkdtemp(prefix="bench-spec-")
+    if args.demo:
+        from specserve.assets import demo_path
+
+        try:
+            args.model_path = args.model_path or demo_path("target")
+            args.draft_model_path = args.draft_model_path or demo_path("dspark")
+            args.dflash_model_path = args.dflash_model_path or demo_path("dflash")
+        except ValueError as e:
+            print(f"bench_spec: {e}", file=sys.stderr)
+            return 1
     target = args.model_path or make_tiny_model(
         os.path.join(root, "target"),
         num_layers=4,
@@ -78,7 +96,6 @@ def main() -> int:
             return 1
     max_bs = max(args.batch_sizes)
     common = dict(
-        device="cpu",
         max_running_requests=max_bs,
         max_total_tokens=max_bs * (args.input_len + args.output_len + 64),
     )
@@ -92,11 +109,13 @@ def main() -> int:
         name: Engine(model_path=target, **common, **specs[name])
         for name in ["plain", *args.algorithms]
     }
+    tok = engines["plain"].tokenizer
     if args.prompts_file:
         with open(args.prompts_file) as f:
             texts = [line.strip() for line in f if line.strip()]
-        tok = engines["plain"].tokenizer
         prompts = [tok.encode(t)[: args.input_len] for t in texts]
+    elif args.dataset != "random":
+        prompts = source_windows(tok, args.dataset, max(max_bs, 16), args.input_len)
     else:
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(4, 500, (max_bs, args.input_len), generator=g).tolist()
@@ -152,6 +171,27 @@ def main() -> int:
         with open(args.output_json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)
     return 0
+
+
+def source_windows(tok, split: str, count: int, length: int) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens from the demo corpus split."""
+    from specserve.training.demo import corpus_files
+
+    held_in, held_out = corpus_files()
+    files = held_in if split == "held-in" else held_out
+    g = torch.Generator().manual_seed(7)
+    picks = torch.randint(0, len(files), (count,), generator=g).tolist()
+    windows = []
+    for i, f in enumerate(picks):
+        with open(files[f], encoding="utf-8", errors="replace") as fh:
+            ids = tok.encode(fh.read(), add_special_tokens=False)
+        start = (
+            int(torch.randint(0, max(1, len(ids) - length), (1,), generator=g))
+            if len(ids) > length
+            else 0
+        )
+        windows.append(ids[start : start + length] or [0])
+    return windows
 
 
 def logprob_overhead(engines, prompts, sp, args, root: str) -> int:
