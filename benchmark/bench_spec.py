@@ -182,7 +182,7 @@ def source_windows(tok, split: str, count: int, length: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
     picks = torch.randint(0, len(files), (count,), generator=g).tolist()
     windows = []
-    for i, f in enumerate(picks):
+    for f in picks:
         with open(files[f], encoding="utf-8", errors="replace") as fh:
             ids = tok.encode(fh.read(), add_special_tokens=False)
         start = (
