@@ -4,7 +4,7 @@ Before the forward, decoding requests get a draft chain: their batch entry
 becomes ``[anchor, x_1..x_L]`` with every row's logits returned (VERIFY).
 After it, each chain's rows are processed exactly as plain sampling would
 process them (penalties over the chain prefix, min-token suppression, the
-grammar's chain masks), ``verify_chain`` decides what is committed, and the
+grammar's chain masks), ``verify_chains`` decides what is committed, and the
 commit goes through the shared output processor like any other run. Then
 the rejected positions' K/V are dropped and the committed rows' captured
 features go to the proposer.
@@ -81,7 +81,7 @@ class SpecDecoder:
                 continue
             req, drafts = step.req, step.drafts
             lo = fwd.row_offsets[i]
-            x = self._process_rows(fwd.logits[lo : lo + 1 + len(drafts)].clone(), step.req, drafts)
+            x = self._process_rows(fwd.logits[lo : lo + 1 + len(drafts)], step.req, drafts)
             chains.append(
                 Chain(x, drafts, step.draft_q, req.sampling, req.generator or shared_generator)
             )
@@ -97,7 +97,12 @@ class SpecDecoder:
     def _process_rows(self, x: torch.Tensor, req, drafts: Sequence[int]) -> torch.Tensor:
         """Row j follows the anchor and ``drafts[:j]``: what plain sampling
         would see at that point."""
+        sp = req.sampling
         done = len(req.output_ids)
+        held = req.held_stop_ids and done < sp.min_new_tokens
+        if not (sp.logit_bias or req.penalty is not None or held or req.grammar is not None):
+            return x  # nothing to apply: the model's rows as they are
+        x = x.clone()
         controls = [
             RowControls(req.sampling, req.penalty, done + j, req.held_stop_ids, tuple(drafts[:j]))
             for j in range(x.shape[0])
