@@ -38,16 +38,22 @@ def trained(tmp_path_factory):
         steps=20, batch_size=4, seq_len=64, anchors=8, lr=5e-3, warmup=2, save_every=10, seed=1,
     )  # fmt: skip
     trainer = DSparkTrainer(cfg)
+    # The same fixed batches scored before and after training: no batch-to-batch noise.
+    held = [trainer.batch(10_000 + i) for i in range(4)]
+
+    def held_loss() -> float:
+        with torch.no_grad():
+            return sum(trainer.loss(ids, 10_000 + i)[0].item() for i, ids in enumerate(held)) / 4
+
+    before = held_loss()
     history = trainer.train(progress=False)
-    return cfg, history
+    return cfg, history, before, held_loss()
 
 
 def test_loss_goes_down_and_a_checkpoint_is_written(trained) -> None:
-    cfg, history = trained
+    cfg, history, before, after = trained
     assert len(history) == 20
-    first = sum(m.loss for m in history[:4]) / 4
-    last = sum(m.loss for m in history[-4:]) / 4
-    assert last < first * 0.9, (first, last)
+    assert after < before * 0.95, (before, after)
     files = set(os.listdir(cfg.out))
     assert {"config.json", "model.safetensors", "train_state.pt"} <= files
     with open(os.path.join(cfg.out, "config.json")) as f:
@@ -57,7 +63,7 @@ def test_loss_goes_down_and_a_checkpoint_is_written(trained) -> None:
 
 
 def test_the_server_serves_with_the_trained_drafter(trained, tmp_path) -> None:
-    cfg, _ = trained
+    cfg = trained[0]
     flags = ("--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", cfg.out)
     plain = Engine(model_path=cfg.target, device="cpu", max_total_tokens=1024)
     try:
@@ -80,7 +86,7 @@ def test_the_server_serves_with_the_trained_drafter(trained, tmp_path) -> None:
 
 
 def test_resuming_continues_from_the_saved_step(trained, tmp_path) -> None:
-    cfg, _ = trained
+    cfg = trained[0]
     import shutil
 
     out = str(tmp_path / "resumed")
