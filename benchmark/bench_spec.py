@@ -38,7 +38,12 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="DFlash drafter (default: the DSpark one without heads)",
     )
-    p.add_argument("--algorithms", nargs="+", default=["DSPARK", "DFLASH", "NGRAM"])
+    p.add_argument(
+        "--algorithms",
+        nargs="+",
+        choices=("DSPARK", "DSPARK-budget", "DFLASH", "NGRAM"),
+        default=["DSPARK", "DFLASH", "NGRAM"],
+    )
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
@@ -88,12 +93,13 @@ def main() -> int:
         intermediate_size=384,
         head_dim=32,
     )
-    drafter = args.draft_model_path or make_tiny_dspark(os.path.join(root, "dspark"), target)
-    dflash = args.dflash_model_path or drafter
-    for path in (target, drafter, dflash):
+    paths = [target, args.draft_model_path, args.dflash_model_path]
+    for path in filter(None, paths):
         if not os.path.isfile(os.path.join(path, "config.json")):
             print(f"bench_spec: no checkpoint at {path}", file=sys.stderr)
             return 1
+    drafter = args.draft_model_path or make_tiny_dspark(os.path.join(root, "dspark"), target)
+    dflash = args.dflash_model_path or drafter
     max_bs = max(args.batch_sizes)
     common = dict(
         max_running_requests=max_bs,
@@ -102,6 +108,12 @@ def main() -> int:
     specs = {
         "plain": {},
         "DSPARK": {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": drafter},
+        # DSpark with the paper's verify-token budget (confidence head + profiled step rates)
+        "DSPARK-budget": {
+            "speculative_algorithm": "DSPARK",
+            "speculative_draft_model_path": drafter,
+            "speculative_dspark_schedule": "budget",
+        },
         "DFLASH": {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": dflash},
         "NGRAM": {"speculative_algorithm": "NGRAM"},
     }
@@ -161,10 +173,10 @@ def main() -> int:
     print(
         f"target {target}, drafter {drafter}, input {args.input_len}, output {args.output_len}, median of {args.repeats}"
     )
-    print(f"{'batch':>5} {'method':>8} {'tok/s':>9} {'speedup':>8} {'tau':>6}")
+    print(f"{'batch':>5} {'method':>13} {'tok/s':>9} {'speedup':>8} {'tau':>6}")
     for r in rows:
         print(
-            f"{r['batch']:>5} {r['method']:>8} {r['tok_s']:>9.1f} {r['speedup']:>7.2f}x "
+            f"{r['batch']:>5} {r['method']:>13} {r['tok_s']:>9.1f} {r['speedup']:>7.2f}x "
             + ("     -" if r["tau"] is None else f"{r['tau']:>6.2f}")
         )
     if args.output_json:

@@ -31,6 +31,33 @@ def test_assets_are_small_and_described() -> None:
     assert {"tokenizer", "target", "dspark", "dflash", "evaluate"} <= set(manifest["stages"])
 
 
+def test_demo_target_matches_transformers() -> None:
+    """The float16 checkpoint through our loader and model gives transformers' logprobs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    eng = Engine(model_path=demo_path("target"), device="cpu", dtype="float32", max_total_tokens=1024)
+    try:
+        ids = eng.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+        out = eng.generate(
+            input_ids=[ids],
+            sampling_params={"temperature": 0, "max_new_tokens": 8},
+            return_logprob=True,
+            logprob_start_len=0,
+        )[0]
+    finally:
+        eng.shutdown()
+    ref = AutoModelForCausalLM.from_pretrained(demo_path("target"), dtype=torch.float32).eval()
+    full = ids + out["output_ids"]
+    with torch.no_grad():
+        logp = torch.log_softmax(ref(torch.tensor([full])).logits[0].float(), dim=-1)
+    want = [float(logp[i - 1, full[i]]) for i in range(1, len(full))]
+    meta = out["meta_info"]
+    got = [x[0] for x in meta["input_token_logprobs"][1:] + meta["output_token_logprobs"]]
+    assert got == pytest.approx(want, abs=2e-3)
+    assert out["output_ids"] == logp[len(ids) - 1 :].argmax(-1).tolist()[: len(out["output_ids"])]
+
+
 @pytest.mark.parametrize("alg", ["DSPARK", "DFLASH"])
 def test_demo_speculation_is_lossless_and_accepts(alg) -> None:
     sp = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}

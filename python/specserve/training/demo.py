@@ -34,8 +34,9 @@ class DemoConfig:
     work: str  # intermediate files
     vocab_size: int = 8192
     pretrain_steps: int = 1300
-    drafter_steps: int = 1500
-    drafter_layers: int = 1
+    drafter_steps: int = 2000
+    drafter_layers: int = 2
+    drafter_anchors: int = 16
     markov_rank: int = 32
     block_size: int = 7
     gen_prompts: int = 4096
@@ -88,6 +89,7 @@ def build_demo(cfg: DemoConfig, log=print) -> dict:
     if os.path.isfile(manifest_path):
         with open(manifest_path) as f:
             manifest = json.load(f)
+        manifest["config"] = asdict(cfg)  # finished stages are kept; the config is this run's
 
     def stage(name: str, fn):
         if name in manifest["stages"]:
@@ -180,7 +182,7 @@ def build_demo(cfg: DemoConfig, log=print) -> dict:
             target=target_dir, data=(data_path,), out=os.path.join(cfg.work, name),
             block_size=cfg.block_size, num_layers=cfg.drafter_layers, markov_rank=rank,
             confidence_head=rank > 0, steps=cfg.drafter_steps, seq_len=256, batch_size=8,
-            anchors=16, lr=2e-3, seed=cfg.seed, save_every=100, save_embeddings=False,
+            anchors=cfg.drafter_anchors, lr=2e-3, seed=cfg.seed, save_every=100, save_embeddings=False,
             dtype="float16",
         )  # fmt: skip
         history = DSparkTrainer(dcfg).train()
@@ -242,6 +244,10 @@ def build_demo(cfg: DemoConfig, log=print) -> dict:
         dst = os.path.join(cfg.out, name)
         shutil.rmtree(dst, ignore_errors=True)
         shutil.copytree(src, dst, ignore=shutil.ignore_patterns("train_state.pt", "pretrain.json"))
+    shipped = {
+        **manifest,
+        "config": {k: v for k, v in manifest["config"].items() if k not in ("out", "work")},
+    }
     with open(os.path.join(cfg.out, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=2)
+        json.dump(shipped, f, indent=2)  # the recipe without this machine's paths
     return figures

@@ -1,0 +1,52 @@
+"""Flag parsing: the demo defaults of ``serve`` / ``generate``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from specserve.assets import DEMO_ROOT
+from specserve.server.args import apply_demo_defaults, build_parser
+
+demo_built = pytest.mark.skipif(
+    not os.path.isfile(os.path.join(DEMO_ROOT, "target", "config.json")),
+    reason="demo assets not built",
+)
+
+
+def parsed(*argv: str):
+    args = build_parser().parse_args(list(argv))
+    apply_demo_defaults(args)
+    return args
+
+
+@demo_built
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_no_model_path_means_the_demo_and_its_drafters(command) -> None:
+    extra = ["--prompt", "x"] if command == "generate" else []
+    args = parsed(command, *extra)
+    assert args.model_path == os.path.join(DEMO_ROOT, "target")
+    assert args.speculative_draft_model_path is None
+    for alg in ("DSPARK", "DFLASH"):
+        args = parsed(command, *extra, "--speculative-algorithm", alg)
+        assert args.speculative_draft_model_path == os.path.join(DEMO_ROOT, alg.lower())
+    # NGRAM needs no drafter; an explicit drafter is kept.
+    assert parsed(command, *extra, "--speculative-algorithm", "NGRAM").speculative_draft_model_path is None
+    args = parsed(
+        command, *extra, "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", "/d"
+    )
+    assert args.speculative_draft_model_path == "/d"
+
+
+def test_another_target_gets_no_demo_drafter(tmp_path) -> None:
+    args = parsed("serve", "--model-path", str(tmp_path), "--speculative-algorithm", "DSPARK")
+    assert args.model_path == str(tmp_path) and args.speculative_draft_model_path is None
+
+
+def test_missing_demo_is_a_clear_error(monkeypatch, tmp_path) -> None:
+    import specserve.assets as assets
+
+    monkeypatch.setattr(assets, "DEMO_ROOT", str(tmp_path))
+    with pytest.raises(ValueError, match="demo model is not installed.*--model-path"):
+        parsed("serve")
