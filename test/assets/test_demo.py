@@ -36,7 +36,9 @@ def test_demo_target_matches_transformers() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    eng = Engine(model_path=demo_path("target"), device="cpu", dtype="float32", max_total_tokens=1024)
+    eng = Engine(
+        model_path=demo_path("target"), device="cpu", dtype="float32", max_total_tokens=1024
+    )
     try:
         ids = eng.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
         out = eng.generate(

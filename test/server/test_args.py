@@ -28,11 +28,17 @@ def test_no_model_path_means_the_demo_and_its_drafters(command) -> None:
     args = parsed(command, *extra)
     assert args.model_path == os.path.join(DEMO_ROOT, "target")
     assert args.speculative_draft_model_path is None
+    if command == "serve":
+        assert args.served_model_name == "specserve-demo"
+        assert parsed("serve", "--served-model-name", "m").served_model_name == "m"
     for alg in ("DSPARK", "DFLASH"):
         args = parsed(command, *extra, "--speculative-algorithm", alg)
         assert args.speculative_draft_model_path == os.path.join(DEMO_ROOT, alg.lower())
     # NGRAM needs no drafter; an explicit drafter is kept.
-    assert parsed(command, *extra, "--speculative-algorithm", "NGRAM").speculative_draft_model_path is None
+    assert (
+        parsed(command, *extra, "--speculative-algorithm", "NGRAM").speculative_draft_model_path
+        is None
+    )
     args = parsed(
         command, *extra, "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", "/d"
     )
@@ -42,6 +48,7 @@ def test_no_model_path_means_the_demo_and_its_drafters(command) -> None:
 def test_another_target_gets_no_demo_drafter(tmp_path) -> None:
     args = parsed("serve", "--model-path", str(tmp_path), "--speculative-algorithm", "DSPARK")
     assert args.model_path == str(tmp_path) and args.speculative_draft_model_path is None
+    assert args.served_model_name is None  # the server names it by its path
 
 
 def test_missing_demo_is_a_clear_error(monkeypatch, tmp_path) -> None:

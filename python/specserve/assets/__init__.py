@@ -13,6 +13,7 @@ import os
 
 DEMO_ROOT = os.path.join(os.path.dirname(__file__), "demo")
 DEMO_PARTS = ("target", "dspark", "dflash")
+DEMO_NAME = "specserve-demo"  # the served model name when the demo is served by default
 
 
 def demo_path(part: str = "target") -> str:

@@ -176,12 +176,14 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def apply_demo_defaults(args: argparse.Namespace) -> None:
-    """No ``--model-path``: the bundled demo target; DSPARK / DFLASH on it with
-    no draft path: its bundled drafter."""
-    from specserve.assets import DEMO_ROOT, demo_path
+    """No ``--model-path``: the bundled demo target (served as ``specserve-demo``);
+    DSPARK / DFLASH on it with no draft path: its bundled drafter."""
+    from specserve.assets import DEMO_NAME, DEMO_ROOT, demo_path
 
     if args.model_path is None:
         args.model_path = demo_path("target")
+        if getattr(args, "served_model_name", "") is None:  # serve has the flag, generate not
+            args.served_model_name = DEMO_NAME
     alg = getattr(args, "speculative_algorithm", None)
     if alg in ("DSPARK", "DFLASH") and args.speculative_draft_model_path is None:
         on_demo = os.path.realpath(args.model_path) == os.path.realpath(
