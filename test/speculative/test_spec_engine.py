@@ -292,3 +292,34 @@ def test_budget_profile_is_saved_and_reused(drafters, tmp_path) -> None:
         assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in out)
     finally:
         again.shutdown()
+
+
+@pytest.mark.parametrize("drafter_positions", [64, 80])
+def test_requests_run_to_the_context_end(drafters, tmp_path, drafter_positions) -> None:
+    """The last blocks reach past the context end (and past the drafter's own
+    max_position_embeddings when it is shorter than the serving context)."""
+    import shutil
+
+    path = str(tmp_path / "d")
+    shutil.copytree(drafters["vanilla"], path)
+    with open(f"{path}/config.json") as f:
+        cfg = json.load(f)
+    cfg["max_position_embeddings"] = drafter_positions
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(cfg, f)
+    prompts = [PROMPTS[4], PROMPTS[5]]
+    sp = [{"temperature": 0, "max_new_tokens": 80 - len(p), "ignore_eos": True} for p in prompts]
+    ref = engine(context_length=80)
+    spec = engine(
+        {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": path},
+        context_length=80,
+    )
+    try:
+        want = ref.generate(input_ids=prompts, sampling_params=sp)
+        got = spec.generate(input_ids=prompts, sampling_params=sp)
+        assert [len(p) + len(w["output_ids"]) for p, w in zip(prompts, want)] == [80, 80]
+        assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+        assert_all_free(spec)
+    finally:
+        ref.shutdown()
+        spec.shutdown()

@@ -88,12 +88,17 @@ class RotaryEmbedding:
     requests longer than the context length, so positions never exceed it.
     """
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_position: int) -> None:
+    def __init__(
+        self, rope: RopeConfig, head_dim: int, max_position: int, extra_positions: int = 0
+    ) -> None:
+        """``extra_positions``: table rows past ``max_position`` (the frequencies
+        still follow ``max_position``), for a drafter's block past the context end."""
         self.inv_freq, self.scale = rope_inv_freq(rope, head_dim, max_position)
         self.rot_dim = 2 * self.inv_freq.numel()
         self.head_dim = head_dim
-        self._cos_sin: torch.Tensor | None = None  # [max_pos, 2 * rot_dim]: cos | sin
-        self._reserve(max_position, torch.device("cpu"))  # explicit: models are built on "meta"
+        self._cos_sin: torch.Tensor | None = None  # [rows, 2 * rot_dim]: cos | sin
+        # Explicitly on the CPU: models are built on "meta".
+        self._reserve(max_position + extra_positions, torch.device("cpu"))
 
     def _reserve(self, length: int, device: torch.device) -> None:
         pos = torch.arange(length, dtype=torch.float32, device="cpu")

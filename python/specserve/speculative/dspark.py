@@ -247,7 +247,12 @@ def load_draft_model(
     path: str, dcfg: DSparkConfig, runner: ModelRunner, use_heads: bool = True
 ) -> DSparkDraftModel:
     with torch.device("meta"):
-        model = DSparkDraftModel(dcfg, use_markov=use_heads, use_confidence=use_heads)
+        model = DSparkDraftModel(
+            dcfg,
+            use_markov=use_heads,
+            use_confidence=use_heads,
+            context_length=runner.context_length,
+        )
     model = model.to_empty(device=runner.device).to(runner.dtype)
     target = runner.model
     skip: set[str] = set()

@@ -220,7 +220,11 @@ class DraftMLP(nn.Module):
 
 class DSparkDraftModel(nn.Module):
     def __init__(
-        self, cfg: DSparkConfig, use_markov: bool = True, use_confidence: bool = True
+        self,
+        cfg: DSparkConfig,
+        use_markov: bool = True,
+        use_confidence: bool = True,
+        context_length: int | None = None,  # the serving context, if longer than the config's
     ) -> None:
         super().__init__()
         self.config = cfg
@@ -239,7 +243,14 @@ class DSparkDraftModel(nn.Module):
         # DFlash runs a DSpark checkpoint without its Markov and confidence heads.
         self.use_markov = use_markov and self.markov_head is not None
         self.use_confidence = use_confidence and self.confidence_head is not None
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        # A block drafted at the last context position reaches block_size past it.
+        longer = max(0, (context_length or 0) - cfg.max_position_embeddings)
+        self.rotary = RotaryEmbedding(
+            cfg.rope,
+            cfg.head_dim,
+            cfg.max_position_embeddings,
+            extra_positions=longer + cfg.block_size,
+        )
 
     # ---- context ------------------------------------------------------------
 
