@@ -72,6 +72,11 @@ def parse_args() -> argparse.Namespace:
         metavar="BATCH",
         help="instead: DSPARK tok/s with top_logprobs=5 vs without at this batch size",
     )
+    p.add_argument(
+        "--round-profile",
+        action="store_true",
+        help="instead: where a DSPARK round's time goes at batch 1, against a plain step",
+    )
     p.add_argument("--output-json", default=None)
     return p.parse_args()
 
@@ -141,6 +146,8 @@ def main() -> int:
     sp = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
     if args.logprob_overhead:
         return logprob_overhead(engines, prompts, sp, args, root)
+    if args.round_profile:
+        return round_profile(engines, prompts, sp, args, root)
 
     def run(name: str, bs: int) -> tuple[float, float]:
         """Every prompt once, ``bs`` at a time: each batch size sees the same prompts."""
@@ -220,6 +227,94 @@ def source_windows(tok, split: str, count: int, length: int) -> list[list[int]]:
         )
         windows.append(ids[start : start + length] or [0])
     return windows
+
+
+def round_profile(engines, prompts, sp, args, root: str) -> int:
+    """Wall time of each stage of the engine step, one request at a time.
+
+    The stages are wrapped with timers (plain and DSPARK engines in turn, every
+    prompt once, after a warm-up), so the per-round table adds up to what a
+    round costs (the one prefill step of each request included, as in any
+    generation); a stage's share is its time over the number of steps.
+    """
+    from collections import defaultdict
+
+    def instrument(eng) -> dict[str, float]:
+        spent: dict[str, float] = defaultdict(float)
+
+        def wrap(obj, attr: str, label: str) -> None:
+            inner = getattr(obj, attr)
+
+            def timed(*a, **kw):
+                t = time.perf_counter()
+                try:
+                    return inner(*a, **kw)
+                finally:
+                    spent[label] += time.perf_counter() - t
+
+            setattr(obj, attr, timed)
+
+        core = eng.core
+        wrap(core, "step", "step")
+        wrap(core.runner, "forward", "target forward")
+        spec = core.spec
+        if spec is not None:
+            wrap(spec, "prepare", "drafting (propose)")
+            wrap(spec, "verify", "chain verification")
+            model = spec.proposer.model
+            wrap(model, "block_hidden", "  draft layers over the block")
+            wrap(model, "draft", "  lm_head + Markov steps")
+            wrap(spec.proposer, "_flush", "  context K/V of new tokens")
+            wrap(spec.proposer, "_gather_context", "  gathering the context")
+        return spent
+
+    names = ["plain", "DSPARK"]
+    spent = {name: instrument(engines[name]) for name in names}
+    steps = {name: 0 for name in names}
+    for name in names:  # warm-up
+        engines[name].generate(input_ids=[prompts[0]], sampling_params=sp)
+        spent[name].clear()
+    for _ in range(args.repeats):
+        for name in names:
+            for p in prompts[: args.num_prompts]:
+                out = engines[name].generate(input_ids=[p], sampling_params=sp)[0]
+                meta = out["meta_info"]
+                # one prefill step, then decode steps or verify rounds
+                steps[name] += meta.get("spec_verify_ct") or len(out["output_ids"]) - 1
+    for e in engines.values():
+        e.shutdown()
+    shutil.rmtree(root, ignore_errors=True)
+    plain_step = spent["plain"]["step"] / steps["plain"]
+    spec = spent["DSPARK"]
+    per_round = {k: v / steps["DSPARK"] for k, v in spec.items()}
+    other = per_round["step"] - sum(
+        per_round[k] for k in ("target forward", "drafting (propose)", "chain verification")
+    )
+    tokens = args.output_len - 1
+    tau = tokens * args.num_prompts * args.repeats / steps["DSPARK"]
+    print(f"batch 1, {args.num_prompts} prompts x {args.repeats}, output {args.output_len}")
+    print(f"plain decode step: {1e3 * plain_step:.2f} ms; DSPARK tau {tau:.2f}")
+    print(f"{'DSPARK round':34} {'ms':>7} {'plain steps':>12}")
+    rows = [
+        (k, per_round[k])
+        for k in (
+            "target forward",
+            "drafting (propose)",
+            "  draft layers over the block",
+            "  lm_head + Markov steps",
+            "  context K/V of new tokens",
+            "  gathering the context",
+            "chain verification",
+        )
+    ]
+    rows += [("commit, scheduling, the rest", other), ("round", per_round["step"])]
+    for k, v in rows:
+        print(f"{k:34} {1e3 * v:7.2f} {v / plain_step:12.2f}")
+    print(f"speedup in this run: {tau * plain_step / per_round['step']:.2f}x")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"plain_step_s": plain_step, "tau": tau, "round_s": dict(rows)}, f, indent=2)
+    return 0
 
 
 def logprob_overhead(engines, prompts, sp, args, root: str) -> int:
