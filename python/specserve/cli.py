@@ -85,6 +85,7 @@ def _train_dspark(args: Any) -> int:
         save_every=args.save_every,
         seed=args.seed,
         dtype=args.dtype,
+        device=args.device,
     )
     trainer = DSparkTrainer(cfg)
     history = trainer.train()

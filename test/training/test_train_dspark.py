@@ -111,3 +111,17 @@ def test_data_helpers_and_layer_choice(tmp_path) -> None:
         and default_layer_ids(6) == (0, 2, 4)
         and default_layer_ids(36) == (0, 17, 34)
     )
+
+
+@pytest.mark.gpu
+def test_training_runs_on_cuda_and_saves_cpu_weights(trained, tmp_path) -> None:
+    cfg = trained[0]
+    on_gpu = DSparkTrainConfig(
+        **{**cfg.__dict__, "out": str(tmp_path / "gpu"), "steps": 3, "device": "cuda"}
+    )
+    trainer = DSparkTrainer(on_gpu)
+    assert next(trainer.model.parameters()).is_cuda
+    history = trainer.train(progress=False)
+    assert len(history) == 3 and all(m.loss == m.loss for m in history)  # finite, no NaN
+    resumed = DSparkTrainer(DSparkTrainConfig(**{**on_gpu.__dict__, "steps": 4, "device": "cpu"}))
+    assert resumed.step == 3  # a CUDA run resumes on the CPU

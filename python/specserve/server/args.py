@@ -268,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         help="dtype of the saved weights",
     )
+    train.add_argument(
+        "--device", default="auto", help="where to train: auto (cuda when available), cpu, cuda:N"
+    )
 
     demo = sub.add_parser(
         "build-demo", help="build the demo target and drafters from the stdlib sources"

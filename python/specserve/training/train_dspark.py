@@ -53,6 +53,7 @@ class DSparkTrainConfig:
     save_embeddings: bool = True  # DeepSpec checkpoints carry copies of the target's
     seed: int = 0
     dtype: str = "float32"  # of the saved weights
+    device: str = "auto"  # auto: cuda when available, else cpu
 
 
 def default_layer_ids(num_layers: int, count: int = 3) -> tuple[int, ...]:
@@ -114,10 +115,14 @@ class DSparkTrainer:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.cfg = cfg
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+        )
         torch.manual_seed(cfg.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.target, local_files_only=True)
         self.target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).eval()
         self.target.requires_grad_(False)
+        self.target.to(self.device)
         with open(os.path.join(cfg.target, "config.json")) as f:
             tcfg = json.load(f)
         mask_id = _mask_token_id(self.tokenizer)
@@ -128,6 +133,7 @@ class DSparkTrainer:
         # The drafter embeds and reads out through the target's own (frozen) tensors.
         self.model.embed_tokens = self.target.get_input_embeddings()
         self.model.lm_head = self.target.get_output_embeddings()
+        self.model.to(self.device)
         self.layer_ids = dcfg.target_layer_ids
         eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
         stream = read_token_stream(
@@ -157,6 +163,7 @@ class DSparkTrainer:
 
     def loss(self, ids: torch.Tensor, step: int) -> tuple[torch.Tensor, StepMetrics]:
         cfg, gamma = self.cfg, self.cfg.block_size
+        ids = ids.to(self.device)
         b, t = ids.shape
         with torch.no_grad():
             out = self.target(ids, output_hidden_states=True)
@@ -167,8 +174,8 @@ class DSparkTrainer:
         count = min(cfg.anchors, t - 1)
         anchors = (
             torch.rand(b, t - 1, generator=g).argsort(dim=1)[:, :count].sort(dim=1).values
-        )  # [B, A]
-        k = torch.arange(gamma)
+        ).to(self.device)  # [B, A]; drawn on the CPU: the same anchors on every device
+        k = torch.arange(gamma, device=self.device)
         slot = anchors[:, :, None] + k  # [B, A, G]: the position each slot predicts from
         valid = slot + 1 < t
         safe = slot.clamp(max=t - 2)
@@ -245,7 +252,7 @@ class DSparkTrainer:
         for key, value in self.model.state_dict().items():
             if not self.cfg.save_embeddings and key in ("embed_tokens.weight", "lm_head.weight"):
                 continue
-            state[key] = value.detach().to(dtype).contiguous().clone()
+            state[key] = value.detach().to("cpu", dtype).contiguous().clone()
         save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(self.draft_json, f, indent=2)
@@ -262,7 +269,7 @@ class DSparkTrainer:
         path = os.path.join(self.cfg.out, STATE_FILE)
         if not os.path.isfile(path):
             return
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, weights_only=False, map_location="cpu")
         weights = load_file(os.path.join(self.cfg.out, "model.safetensors"))
         own = {
             k: v for k, v in weights.items() if k not in ("embed_tokens.weight", "lm_head.weight")
