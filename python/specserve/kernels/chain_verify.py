@@ -34,18 +34,8 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
+from specserve.kernels.dispatch import HAS_TRITON, LOGIT_DTYPES, tl, triton, use_triton
 
-    HAS_TRITON = True
-except ImportError:  # the module must still import on machines without triton
-    triton = None
-    tl = None
-    HAS_TRITON = False
-
-_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_BACKENDS = ("auto", "triton", "torch")
 # Vocab chunk per loop step; wide loads on a GPU, few steps for a 150k vocab.
 DEFAULT_BLOCK_V = 1024
 
@@ -379,7 +369,7 @@ def greedy_verify_triton(
     """Triton greedy verification: one program per chain."""
     if not HAS_TRITON:
         raise RuntimeError("greedy_verify_triton needs triton, which is not installed")
-    b, _ = _check_chains(logits, "logits", _LOGIT_DTYPES, row_starts, drafts, lengths)
+    b, _ = _check_chains(logits, "logits", LOGIT_DTYPES, row_starts, drafts, lengths)
     block_v = _check_block(block_v)
     dev = logits.device
     accept_len = torch.empty(b, dtype=torch.int64, device=dev)
@@ -491,12 +481,6 @@ def _check_block(block_v: int | None) -> int:
 # --------------------------------------------------------------------------- dispatch
 
 
-def _use_triton(backend: str, t: torch.Tensor) -> bool:
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown chain verify backend {backend!r}; expected one of {_BACKENDS}")
-    return backend == "triton" or (backend == "auto" and t.is_cuda and HAS_TRITON)
-
-
 def greedy_verify(
     logits: torch.Tensor,
     row_starts: torch.Tensor,
@@ -505,7 +489,7 @@ def greedy_verify(
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch: "auto" uses Triton on CUDA tensors, the torch reference elsewhere."""
-    if _use_triton(backend, logits):
+    if use_triton(backend, logits, "chain verify"):
         return greedy_verify_triton(logits, row_starts, drafts, lengths)
     return greedy_verify_ref(logits, row_starts, drafts, lengths)
 
@@ -522,6 +506,6 @@ def rejection_verify(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch: "auto" uses Triton on CUDA tensors, the torch reference elsewhere."""
     args = (probs, row_starts, drafts, lengths, draft_probs, draft_starts, uniforms)
-    if _use_triton(backend, probs):
+    if use_triton(backend, probs, "chain verify"):
         return rejection_verify_triton(*args)
     return rejection_verify_ref(*args)

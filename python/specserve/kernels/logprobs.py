@@ -17,18 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
+from specserve.kernels.dispatch import HAS_TRITON, LOGIT_DTYPES, tl, triton, use_triton
 
-    HAS_TRITON = True
-except ImportError:  # the module must still import on machines without triton
-    triton = None
-    tl = None
-    HAS_TRITON = False
-
-_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_BACKENDS = ("auto", "triton", "torch")
 # Default vocab chunk per loop step: big enough to keep loads wide on a GPU,
 # small enough that the top-k merge passes over a chunk stay cheap.
 DEFAULT_BLOCK_V = 1024
@@ -218,7 +208,7 @@ def row_logprobs_triton(
         assert row_ids.dtype == torch.int64, f"row_ids must be int64, got {row_ids.dtype}"
         assert row_ids.device == dev, f"row_ids on {row_ids.device}, logits on {dev}"
         n = row_ids.shape[0]
-    assert logits.dtype in _LOGIT_DTYPES, f"logits dtype must be one of {_LOGIT_DTYPES}"
+    assert logits.dtype in LOGIT_DTYPES, f"logits dtype must be one of {LOGIT_DTYPES}"
     assert logits.stride(1) == 1, f"logits last dim must be contiguous, strides {logits.stride()}"
     assert v > 0, "logits must have a non-empty vocab dim"
     assert token_ids.shape == (n,), f"token_ids must be [{n}], got {tuple(token_ids.shape)}"
@@ -296,10 +286,7 @@ def row_logprobs(
     row_ids: torch.Tensor | None = None,
 ) -> RowLogprobs:
     """Dispatch: "auto" uses Triton on CUDA tensors, the torch reference elsewhere."""
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown row_logprobs backend {backend!r}; expected one of {_BACKENDS}")
-    use_triton = backend == "triton" or (backend == "auto" and logits.is_cuda and HAS_TRITON)
-    if use_triton:
+    if use_triton(backend, logits, "row_logprobs"):
         return row_logprobs_triton(
             logits, token_ids, temperatures, top_k, gather_ids, row_ids=row_ids
         )
