@@ -35,8 +35,10 @@ def make(tok: Tokenizer, text_run: str | None = None, eos=frozenset({2}), **sp) 
 
 
 def commit(proc: OutputProcessor, req: Req, run: list[int], logits: torch.Tensor) -> None:
-    steps = [ReqStep(req, req.prompt_len, 0, True)]
-    proc.process(steps, [0, len(run)], [RunCommit(0, run, list(range(len(run))))], logits)
+    step = ReqStep(req, req.prompt_len, 0, True)
+    commit_run = RunCommit(0, run, list(range(len(run))))
+    (scores,) = proc.score([step], [0, len(run)], [commit_run], logits)
+    proc.commit(step, commit_run, scores)
 
 
 def words(tok: Tokenizer, text: str) -> list[int]:

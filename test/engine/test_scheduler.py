@@ -23,7 +23,8 @@ def step(s: Scheduler, tokens: dict[str, int] | None = None):
     """Schedules, marks computed, and appends one token to every sampling request."""
     batch = s.schedule()
     assert batch is not None
-    s.mark_computed(batch)
+    for entry, st in zip(batch.entries, batch.steps):  # as the engine's commit does
+        st.req.num_computed = entry.prefix_len + len(entry.token_ids)
     for st in batch.steps:
         if st.sample:
             st.req.output_ids.append((tokens or {}).get(st.req.rid, 1))

@@ -59,3 +59,19 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(len(e.token_ids) for e in self.entries)
+
+    def halves(self) -> tuple[ScheduledBatch, ScheduledBatch]:
+        """The first and second half of the requests, each a batch of its own
+        (fault isolation reruns a failed step this way)."""
+        mid = len(self.steps) // 2
+        return self._subset(slice(0, mid)), self._subset(slice(mid, None))
+
+    def _subset(self, part: slice) -> ScheduledBatch:
+        steps = self.steps[part]
+        if steps and all(s.verify for s in steps):
+            mode = ForwardMode.VERIFY
+        elif all(s.decoding for s in steps):
+            mode = ForwardMode.DECODE
+        else:
+            mode = ForwardMode.EXTEND
+        return ScheduledBatch(mode, self.entries[part], steps, self.capture_layer_ids)

@@ -4,7 +4,6 @@ hands results back to blocking callers and asyncio streams alike."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import queue
@@ -15,7 +14,7 @@ from typing import Any
 
 from specserve.config import EngineConfig
 from specserve.engine.engine_core import EngineCore, RequestOutput
-from specserve.engine.request import Req
+from specserve.engine.request import FinishReason, Req
 from specserve.engine.request_factory import GenerateRequest, Limits, RequestFactory
 from specserve.engine.result import ResultCollector, format_output
 from specserve.grammar.base import GrammarBackend
@@ -27,6 +26,10 @@ from specserve.tokenizer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 Sink = Callable[[RequestOutput], None]
+
+
+class EngineStopped(RuntimeError):
+    """The engine takes no requests: it was shut down, or stopped on an error."""
 
 
 class Engine:
@@ -66,16 +69,14 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._lock = threading.Lock()  # guards _sinks, _thread, _stopped
-        self._core_lock = threading.Lock()  # held by whoever steps the core
+        self._core_lock = threading.RLock()  # held by whoever steps the core
         self._stopped = False
         self._stopping = threading.Event()
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None  # started by the first async caller
-        # Everything built so far (modules, weights, tokenizer) lives as long as the
-        # engine: keep it out of the collector's full passes, which otherwise
-        # stall every step that allocates many small objects (logprob entries).
-        gc.collect()
-        gc.freeze()
+        # Set when the engine stopped on an error no request caused (a device
+        # error, a scheduler bug): every request ends and no new one is taken.
+        self.error: str | None = None
         logger.info(
             "engine ready: %s (%s) on %s, %s, KV capacity %d tokens, loaded in %.1fs",
             model_path,
@@ -127,10 +128,13 @@ class Engine:
         if taken:
             raise ValueError(f"rid: {taken[0]!r} is already in use")
 
+    def rid_in_use(self, rid: str) -> bool:
+        with self._lock:
+            return rid in self._sinks
+
     def _enqueue(self, greq: GenerateRequest, sink: Sink) -> None:
         with self._lock:
-            if self._stopped:
-                raise RuntimeError("the engine has been shut down")
+            self._check_running()
             if greq.rid in self._sinks:
                 raise ValueError(f"rid: {greq.rid!r} is already in use")
             self._sinks[greq.rid] = sink
@@ -142,10 +146,26 @@ class Engine:
         self._inbox.put(("add", req))
         self._wakeup.set()
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str, message: str | None = None) -> None:
         """Aborts a queued or running request; a no-op for unknown or finished ones."""
-        self._inbox.put(("abort", rid))
+        self._inbox.put(("abort", (rid, message)))
         self._wakeup.set()
+
+    def abort_all(self, message: str | None = None) -> None:
+        """Aborts every queued and running request."""
+        self._inbox.put(("abort_all", message))
+        self._wakeup.set()
+
+    def active_rids(self) -> list[str]:
+        with self._lock:
+            return list(self._sinks)
+
+    def _check_running(self) -> None:
+        """Raises unless the engine takes requests (call with ``_lock`` held)."""
+        if self.error is not None:
+            raise EngineStopped(f"the engine stopped after an error: {self.error}")
+        if self._stopped:
+            raise EngineStopped("the engine has been shut down")
 
     # ---- blocking API -------------------------------------------------------
 
@@ -239,16 +259,36 @@ class Engine:
             if not self.core.has_work():
                 return
             try:
-                outputs = self.core.step()
-            except Exception as e:  # a bug must not take the engine down with it
-                logger.exception("engine step failed; aborting the affected requests")
-                outputs = self._abort_all(f"internal error: {type(e).__name__}: {e}")
+                outputs = self.core.step()  # a request's failure stays with it
+            except Exception as e:  # the device, or the engine itself, is broken
+                self._stop_on_error(e)
+                return
             self._deliver(outputs)
+
+    def _stop_on_error(self, error: Exception) -> None:
+        """Ends every request and refuses new ones: after a device error (or a
+        bug outside any request's part of a step) nothing can be trusted. A
+        server reports unhealthy and exits non-zero."""
+        logger.critical("the engine stopped: %s", error, exc_info=error)
+        with self._lock:
+            self.error = f"{type(error).__name__}: {error}"
+        self._stopping.set()
+        message = f"the engine stopped after an error: {self.error}"
+        reason = FinishReason("abort", message=message, status=500)
+        with self._core_lock:
+            try:
+                self._deliver(self._abort_all(message))
+            except Exception:
+                logger.exception("could not end the requests in flight")
+            # Whatever is left (still in the inbox, or the core is beyond use)
+            # ends here: no caller may wait forever.
+            with self._lock:
+                left = list(self._sinks)
+            self._deliver([RequestOutput.final(rid, reason) for rid in left])
 
     def _ensure_loop(self) -> None:
         with self._lock:
-            if self._stopped:
-                raise RuntimeError("the engine has been shut down")
+            self._check_running()
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._loop, name="specserve-engine", daemon=True
@@ -276,13 +316,16 @@ class Engine:
     def _loop(self, stop: threading.Event | None = None, log_interval: float = 0.0) -> None:
         last_log, last_tokens = time.monotonic(), self.core.stats.generated_tokens
         while not self._stopping.is_set() and not (stop is not None and stop.is_set()):
-            if log_interval > 0 and time.monotonic() - last_log >= log_interval:
-                last_log, last_tokens = self._log_status(last_log, last_tokens)
-            if not self.core.has_work() and self._inbox.empty():
-                self._wakeup.wait(0.05)
-                self._wakeup.clear()
-                continue
-            self._pump()
+            try:
+                if log_interval > 0 and time.monotonic() - last_log >= log_interval:
+                    last_log, last_tokens = self._log_status(last_log, last_tokens)
+                if not self.core.has_work() and self._inbox.empty():
+                    self._wakeup.wait(0.05)
+                    self._wakeup.clear()
+                    continue
+                self._pump()
+            except Exception as e:  # never a silent death: callers would wait forever
+                self._stop_on_error(e)
 
     def _log_status(self, since: float, tokens_then: int) -> tuple[float, int]:
         now, st = time.monotonic(), self.stats()
@@ -323,13 +366,16 @@ class Engine:
     def _handle(self, cmd: tuple[str, Any]) -> None:
         kind, arg = cmd
         if kind == "add":
-            self.core.add(arg)
+            out = self.core.add(arg)  # a finished delta if it could not be admitted
         elif kind == "abort":
-            out = self.core.abort(arg)
-            if out is not None:
-                self._deliver([out])
+            out = self.core.abort(*arg)
+        else:
+            self._deliver(self._abort_all(arg))
+            return
+        if out is not None:
+            self._deliver([out])
 
-    def _abort_all(self, message: str) -> list[RequestOutput]:
+    def _abort_all(self, message: str | None) -> list[RequestOutput]:
         sched = self.core.scheduler
         rids = [r.rid for r in [*sched.running, *sched.waiting]]
         return [o for rid in rids if (o := self.core.abort(rid, message)) is not None]

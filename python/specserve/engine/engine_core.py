@@ -15,7 +15,7 @@ import torch
 from specserve.cache.block_pool import BlockPool
 from specserve.config import EngineConfig
 from specserve.engine.batch import ScheduledBatch
-from specserve.engine.output_processor import OutputProcessor, RunCommit
+from specserve.engine.output_processor import OutputProcessor, RunCommit, StepScores
 from specserve.engine.request import FinishReason, Req, ReqStatus
 from specserve.engine.scheduler import Scheduler
 from specserve.grammar.bitmask import allocate_bitmask
@@ -46,6 +46,11 @@ class RequestOutput:
     # Speculation: (verify rounds, tokens they committed); None without it.
     spec: tuple[int, int] | None = None
 
+    @classmethod
+    def final(cls, rid: str, reason: FinishReason) -> RequestOutput:
+        """A last, empty delta that ends a request the core no longer knows."""
+        return cls(rid, [], "", [], [], True, reason, 0, 0)
+
 
 @dataclass
 class EngineStats:
@@ -54,6 +59,37 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # by finish type
+
+
+@dataclass
+class _Computed:
+    """A computed step, not yet committed: the batch as run (drafts included),
+    its forward, each step's run (or None) and each step's scored rows."""
+
+    batch: ScheduledBatch
+    fwd: ForwardOutput
+    runs: list[RunCommit | None]
+    scores: list[StepScores]
+
+
+def is_fatal(error: BaseException) -> bool:
+    """Errors after which the device, and so every request, is unusable: the
+    engine stops instead of failing requests one by one."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    text = str(error)
+    return any(s in text for s in ("CUDA error", "device-side assert", "CUBLAS_STATUS"))
+
+
+def failure(error: Exception) -> FinishReason:
+    """The finish of a request that failed: a ``ValueError`` is its own bad
+    input (400), anything else an internal error (500)."""
+    if isinstance(error, ValueError):
+        return FinishReason("abort", message=str(error), status=400)
+    return FinishReason(
+        "abort", message=f"internal error: {type(error).__name__}: {error}", status=500
+    )
 
 
 @dataclass
@@ -97,17 +133,27 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------
 
-    def add(self, req: Req) -> None:
-        device = self.runner.device
-        if req.sampling.seed is not None:
-            req.generator = torch.Generator(device=device)
-            req.generator.manual_seed(req.sampling.seed)
-        if req.sampling.has_penalties:
-            req.penalty = PenaltyState.create(req.prompt_ids, self.runner.vocab_size, device)
+    def add(self, req: Req) -> RequestOutput | None:
+        """Queues ``req``; if it cannot even be set up, it fails alone and its
+        final delta is returned."""
         hold = max((len(s) for s in req.sampling.stop), default=1) - 1
         self._cursors[req.rid] = _Cursor(hold=hold)
+        try:
+            device = self.runner.device
+            if req.sampling.seed is not None:
+                req.generator = torch.Generator(device=device)
+                req.generator.manual_seed(req.sampling.seed)
+            if req.sampling.has_penalties:
+                req.penalty = PenaltyState.create(req.prompt_ids, self.runner.vocab_size, device)
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            logger.warning("request %s failed before admission: %r", req.rid, e)
+            req.finish(failure(e))
+            return self._delta(req)
         self.stats.prompt_tokens += req.prompt_len
         self.scheduler.add(req)
+        return None
 
     def abort(self, rid: str, message: str | None = None) -> RequestOutput | None:
         req = self.scheduler.abort(rid, message)
@@ -123,25 +169,86 @@ class EngineCore:
     # ---- the step -------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step over the scheduled batch. A request whose part of the step
+        raises fails alone (finish ``abort``); the others go on as if it had
+        never been there. Only device errors (``is_fatal``) propagate."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        self._run(batch)
+        self.scheduler.reap_finished()
+        return [self._delta(step.req) for step in batch.steps]
+
+    def _run(self, batch: ScheduledBatch) -> None:
+        """Computes the batch's step, then commits it request by request.
+
+        Nothing a request keeps changes before the commit but its seeded
+        generators (saved here) and its draft context (rebuilt idempotently),
+        so a failed computation reruns on each half of the batch until the
+        request that causes it is alone and fails by itself."""
+        saved = [(g, g.get_state()) for s in batch.steps if (g := s.req.generator) is not None]
+        try:
+            computed = self._compute(batch)
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            if len(batch.steps) == 1:
+                self._fail(batch.steps[0].req, e)
+                return
+            logger.warning(
+                "a step of %d requests failed (%r); rerunning it in halves to find the cause",
+                len(batch.steps), e,
+            )  # fmt: skip
+            for generator, state in saved:
+                generator.set_state(state)
+            for half in batch.halves():
+                self._run(half)
+            return
+        self._commit(computed)
+
+    def _compute(self, batch: ScheduledBatch) -> _Computed:
+        """Drafting, the forward, sampling or verification, and the scores of
+        every row that may commit: batched, and without committing anything."""
         if self.spec is not None:
-            self.spec.prepare(batch)
+            batch = self.spec.prepare(batch)
         fwd = self.runner.forward(batch)
-        self.scheduler.mark_computed(batch)
         runs, processed = self._sample(batch, fwd)
         if self.spec is not None:
             spec_runs, spec_processed = self.spec.verify(batch, fwd, self.sampler.generator)
             runs += spec_runs
             processed += spec_processed
+        by_step: list[RunCommit | None] = [None] * len(batch.steps)
+        for run in runs:
+            by_step[run.step] = run
         scoring = self._scoring_logits(batch, fwd, processed)
-        before = [len(step.req.output_ids) for step in batch.steps]
-        self.output_processor.process(batch.steps, fwd.row_offsets, runs, scoring)
-        if self.spec is not None:
-            self.spec.finish_round(batch, fwd, before)
-        self.scheduler.reap_finished()
-        return [self._delta(step.req) for step in batch.steps]
+        scores = self.output_processor.score(batch.steps, fwd.row_offsets, by_step, scoring)
+        return _Computed(batch, fwd, by_step, scores)
+
+    def _commit(self, c: _Computed) -> None:
+        """Each request takes its share of the computed step on its own."""
+        first = 0  # the entry's first token among the batch's tokens
+        for step, entry, run, scores in zip(c.batch.steps, c.batch.entries, c.runs, c.scores):
+            req, fed = step.req, len(entry.token_ids)
+            try:
+                req.num_computed = entry.prefix_len + fed  # the fed tokens' K/V are cached
+                before = len(req.output_ids)
+                self.output_processor.commit(step, run, scores)
+                if self.spec is not None:
+                    captured = c.fwd.captured
+                    features = None if captured is None else captured[first : first + fed]
+                    self.spec.finish(step, entry, features, len(req.output_ids) - before)
+            except Exception as e:
+                if is_fatal(e):
+                    raise
+                self._fail(req, e)
+            first += fed
+
+    def _fail(self, req: Req, error: Exception) -> None:
+        """Ends ``req`` alone after ``error`` in its part of a step."""
+        logger.error("request %s failed in an engine step", req.rid, exc_info=error)
+        if not req.finished:
+            self.scheduler.abort(req.rid)
+        req.finish(failure(error))
 
     def _sample(
         self, batch: ScheduledBatch, fwd: ForwardOutput

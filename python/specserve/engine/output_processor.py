@@ -1,10 +1,12 @@
 """The shared commit path: every generated token reaches a request through here.
 
-Plain decoding hands in runs of one sampled token; speculation will hand in
-the accepted drafts plus the bonus token of each request. Either way the run
-is scanned for stops (EOS / stop ids, stop strings across token boundaries,
-the length cap), truncated at the first one, and only the committed tokens
-are scored, from the rows of the scoring logits they came from.
+Plain decoding hands in runs of one sampled token; speculation hands in the
+accepted drafts plus the bonus token of each request. A step is scored for
+the whole batch first (one kernel call, nothing committed yet), then each
+request commits on its own: its run is scanned for stops (EOS / stop ids,
+stop strings across token boundaries, the length cap), truncated at the
+first one, and only the committed tokens keep their logprobs, taken from
+the rows of the scoring logits they came from.
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ class RunCommit:
     step: int  # index into the batch's steps
     token_ids: list[int]
     rows: list[int]  # row of each token in the scoring logits
+
+
+@dataclass
+class StepScores:
+    """One step's scored rows for one request: its prompt positions, its run."""
+
+    inputs: list[TokenLogprob]
+    run: list[TokenLogprob]  # every token of the run (empty without logprobs)
 
 
 @dataclass
@@ -56,64 +66,56 @@ class OutputProcessor:
         t = req.sampling.temperature
         return t if self.processed and t > 0 else 1.0
 
-    def process(
+    def score(
         self,
         steps: Sequence[ReqStep],
         row_offsets: Sequence[int],
-        runs: Sequence[RunCommit],
+        runs: Sequence[RunCommit | None],
         scoring_logits: torch.Tensor,  # [R, V] float32
-    ) -> None:
-        """Commits ``runs`` and the input logprobs of ``steps`` into their requests."""
+    ) -> list[StepScores]:
+        """The logprobs of every row a step may commit, per step, in one kernel
+        call; nothing is committed yet (a failed step can be rerun). A run's
+        tokens are all scored: those past a stop are dropped at commit."""
         queries: list[RowQuery] = []
-        pending_inputs: list[tuple[Req, int]] = []  # (request, number of queries)
-        for i, step in enumerate(steps):
+        counts: list[tuple[int, int]] = []  # (input rows, run tokens) per step
+        for i, (step, run) in enumerate(zip(steps, runs)):
             req = step.req
-            opts = req.logprob
-            if opts.return_logprob and req.next_input_logprob == 0:
-                # Nothing conditions the first prompt token.
-                req.append_input_logprobs([TokenLogprob(req.prompt_ids[0], None)])
-            if step.num_input_logprob_rows:
-                assert step.input_logprob_start == req.next_input_logprob, (
-                    "input logprobs out of order"
-                )
-                for j in range(step.num_input_logprob_rows):
-                    token = req.token_at(step.input_logprob_start + j)
-                    queries.append(self._query(req, row_offsets[i] + j, token))
-                pending_inputs.append((req, step.num_input_logprob_rows))
-            if (
-                not step.sample
-                and req.num_computed == req.seq_len
-                and req.sampling.max_new_tokens == 0
-            ):
-                req.finish(FinishReason("length"))
-
-        scans: list[tuple[Req, RunCommit, _ScanResult]] = []
-        for run in runs:
-            req = steps[run.step].req
-            scan = (
-                self._scan_with_grammar(req, run.token_ids)
-                if req.grammar
-                else self._scan(req, run.token_ids)
-            )
-            scans.append((req, run, scan))
-            if req.logprob.return_logprob:
+            for j in range(step.num_input_logprob_rows):
+                token = req.token_at(step.input_logprob_start + j)
+                queries.append(self._query(req, row_offsets[i] + j, token))
+            num_run = len(run.token_ids) if run is not None and req.logprob.return_logprob else 0
+            if num_run:
                 queries.extend(
-                    self._query(req, row, tok)
-                    for row, tok in zip(run.rows[: scan.num_tokens], run.token_ids)
+                    self._query(req, row, tok) for row, tok in zip(run.rows, run.token_ids)
                 )
+            counts.append((step.num_input_logprob_rows, num_run))
+        scored = score_rows(scoring_logits, queries, self.kernel_backend)
+        out, at = [], 0
+        for num_in, num_run in counts:
+            out.append(
+                StepScores(scored[at : at + num_in], scored[at + num_in : at + num_in + num_run])
+            )
+            at += num_in + num_run
+        return out
 
-        scored = iter(score_rows(scoring_logits, queries, self.kernel_backend))
-        for req, n in pending_inputs:
-            req.append_input_logprobs([next(scored) for _ in range(n)])
-        for req, run, scan in scans:
-            logprobs = (
-                [next(scored) for _ in range(scan.num_tokens)]
-                if req.logprob.return_logprob
-                else None
-            )
-            req.append_run(
-                run.token_ids[: scan.num_tokens], scan.text, scan.detok, logprobs, scan.finish
-            )
+    def commit(self, step: ReqStep, run: RunCommit | None, scores: StepScores) -> None:
+        """Commits one request's part of a step: its prompt logprobs, then its
+        run, cut at the first stop (only the committed tokens keep logprobs)."""
+        req = step.req
+        if req.logprob.return_logprob and req.next_input_logprob == 0:
+            # Nothing conditions the first prompt token.
+            req.append_input_logprobs([TokenLogprob(req.prompt_ids[0], None)])
+        if step.num_input_logprob_rows:
+            assert step.input_logprob_start == req.next_input_logprob, "input logprobs out of order"
+            req.append_input_logprobs(scores.inputs)
+        if not step.sample and req.num_computed == req.seq_len and req.sampling.max_new_tokens == 0:
+            req.finish(FinishReason("length"))
+        if run is None:
+            return
+        tokens = run.token_ids
+        scan = self._scan_with_grammar(req, tokens) if req.grammar else self._scan(req, tokens)
+        logprobs = scores.run[: scan.num_tokens] if req.logprob.return_logprob else None
+        req.append_run(tokens[: scan.num_tokens], scan.text, scan.detok, logprobs, scan.finish)
 
     def _query(self, req: Req, row: int, token: int) -> RowQuery:
         opts = req.logprob

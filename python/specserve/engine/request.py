@@ -26,6 +26,9 @@ class FinishReason:
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None = None  # the stop token id or stop string
     message: str | None = None
+    # A request that failed: 400 (its own bad input) or 500 (an internal
+    # error), the HTTP status of a non-streamed answer. Not part of to_dict.
+    status: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"type": self.type}

@@ -174,11 +174,6 @@ class Scheduler:
         mode = ForwardMode.DECODE if decode_only else ForwardMode.EXTEND
         return ScheduledBatch(mode, entries, steps)
 
-    def mark_computed(self, batch: ScheduledBatch) -> None:
-        """After the forward: the fed tokens' K/V are in the cache."""
-        for entry, step in zip(batch.entries, batch.steps):
-            step.req.num_computed = entry.prefix_len + len(entry.token_ids)
-
     def reap_finished(self) -> list[Req]:
         """Drops finished requests from the running set and frees their pages."""
         done = [req for req in self.running if req.finished]

@@ -90,15 +90,17 @@ def fill_chain_masks(
     matcher.fill_mask(bitmask, start_row)
     legal = 0
     terminated = False
-    for j, token in enumerate(drafts, start=1):
-        if not is_allowed(bitmask, start_row + j - 1, token) or not matcher.accept(token):
-            break
-        legal += 1
-        if matcher.is_terminated():
-            terminated = True
-            break
-        matcher.fill_mask(bitmask, start_row + j)
-    matcher.rollback(legal)
+    try:
+        for j, token in enumerate(drafts, start=1):
+            if not is_allowed(bitmask, start_row + j - 1, token) or not matcher.accept(token):
+                break
+            legal += 1
+            if matcher.is_terminated():
+                terminated = True
+                break
+            matcher.fill_mask(bitmask, start_row + j)
+    finally:  # also when a step fails midway: it may be rerun from this state
+        matcher.rollback(legal)
     return ChainMasks(legal, terminated)
 
 

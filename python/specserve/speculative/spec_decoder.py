@@ -1,7 +1,8 @@
 """One speculative round, the same for every proposer.
 
-Before the forward, decoding requests get a draft chain: their batch entry
-becomes ``[anchor, x_1..x_L]`` with every row's logits returned (VERIFY).
+Before the forward, decoding requests get a draft chain: in the batch that
+runs, their entry is ``[anchor, x_1..x_L]`` with every row's logits returned
+(VERIFY).
 After it, each chain's rows are processed exactly as plain sampling would
 process them (penalties over the chain prefix, min-token suppression, the
 grammar's chain masks), ``verify_chains`` decides what is committed, and the
@@ -12,11 +13,12 @@ features go to the proposer.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
-from specserve.engine.batch import ForwardMode, ScheduledBatch
+from specserve.engine.batch import BatchEntry, ForwardMode, ReqStep, ScheduledBatch
 from specserve.engine.output_processor import RunCommit
 from specserve.engine.scheduler import Scheduler
 from specserve.grammar.bitmask import allocate_bitmask, apply_bitmask, fill_chain_masks
@@ -46,27 +48,30 @@ class SpecDecoder:
         """Committed tokens per verify round (bonus included): tau."""
         return self.committed_tokens / self.verify_rounds if self.verify_rounds else 0.0
 
-    def prepare(self, batch: ScheduledBatch) -> None:
-        """Turns every decoding entry into a verify chain (possibly of no drafts)."""
-        batch.capture_layer_ids = self.proposer.capture_layer_ids
+    def prepare(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """The batch to run: every decoding entry becomes a verify chain
+        (possibly of no drafts). ``batch`` itself is left as it is, so a failed
+        step can be rerun from it."""
         chosen = [i for i, step in enumerate(batch.steps) if step.decoding]
-        if not chosen:
-            return
-        reqs = [batch.steps[i].req for i in chosen]
-        limits = [self.scheduler.max_drafts(r) for r in reqs]
-        proposal = self.proposer.propose(reqs, limits)
-        lengths = self.proposer.verify_lengths(proposal)
-        for k, i in enumerate(chosen):
-            n = max(0, min(lengths[k], limits[k], len(proposal.tokens[k])))
-            step, entry = batch.steps[i], batch.entries[i]
-            step.verify = True
-            step.drafts = proposal.tokens[k][:n]
-            q = proposal.q[k]
-            step.draft_q = None if q is None else q[:n]
-            entry.token_ids = entry.token_ids + step.drafts
-            entry.logit_rows = list(range(1 + n))
-        if all(step.verify for step in batch.steps):
-            batch.mode = ForwardMode.VERIFY
+        entries, steps = list(batch.entries), list(batch.steps)
+        if chosen:
+            reqs = [batch.steps[i].req for i in chosen]
+            limits = [self.scheduler.max_drafts(r) for r in reqs]
+            proposal = self.proposer.propose(reqs, limits)
+            lengths = self.proposer.verify_lengths(proposal)
+            for k, i in enumerate(chosen):
+                n = max(0, min(lengths[k], limits[k], len(proposal.tokens[k])))
+                drafts = proposal.tokens[k][:n]
+                q = proposal.q[k]
+                steps[i] = dataclasses.replace(
+                    steps[i], verify=True, drafts=drafts, draft_q=None if q is None else q[:n]
+                )
+                entry = entries[i]
+                entries[i] = dataclasses.replace(
+                    entry, token_ids=entry.token_ids + drafts, logit_rows=list(range(1 + n))
+                )
+        mode = ForwardMode.VERIFY if all(s.verify for s in steps) else batch.mode
+        return ScheduledBatch(mode, entries, steps, self.proposer.capture_layer_ids)
 
     def verify(
         self, batch: ScheduledBatch, fwd: ForwardOutput, shared_generator: torch.Generator
@@ -114,30 +119,29 @@ class SpecDecoder:
             apply_bitmask(x, bitmask, list(range(x.shape[0])))
         return x
 
-    def finish_round(
-        self, batch: ScheduledBatch, fwd: ForwardOutput, before: Sequence[int]
+    def finish(
+        self,
+        step: ReqStep,
+        entry: BatchEntry,
+        features: torch.Tensor | None,
+        committed: int,
     ) -> None:
-        """Drops rejected K/V, counts the round, hands committed features on.
+        """After one request's commit: drops its rejected K/V, counts the round
+        and hands the committed positions' features on.
 
-        ``before``: each step's output length before this step's commit.
-        """
-        start = 0
-        for i, (step, entry) in enumerate(zip(batch.steps, batch.entries)):
-            req, first = step.req, start
-            start += len(entry.token_ids)
-            fed = len(entry.token_ids)
-            if step.verify:
-                committed = len(req.output_ids) - before[i]
-                req.spec_verify_ct += 1
-                req.spec_committed += committed
-                self.verify_rounds += 1
-                self.committed_tokens += committed
-                if req.finished:
-                    continue  # its pages and draft state go with it
-                # Not finished, so nothing was cut: the anchor and the accepted
-                # drafts are now KV; the last committed token is the next anchor.
-                fed = committed
-                self.scheduler.trim(req, entry.prefix_len + fed)
-            if fwd.captured is not None and not req.finished:
-                feats = fwd.captured[first : first + fed]
-                self.proposer.on_target_features(req, entry.prefix_len, feats)
+        ``features``: the captured features of the entry's tokens; ``committed``:
+        the tokens this step committed to the request."""
+        req, fed = step.req, len(entry.token_ids)
+        if step.verify:
+            req.spec_verify_ct += 1
+            req.spec_committed += committed
+            self.verify_rounds += 1
+            self.committed_tokens += committed
+            if req.finished:
+                return  # its pages and draft state go with it
+            # Not finished, so nothing was cut: the anchor and the accepted
+            # drafts are now KV; the last committed token is the next anchor.
+            fed = committed
+            self.scheduler.trim(req, entry.prefix_len + fed)
+        if features is not None and not req.finished:
+            self.proposer.on_target_features(req, entry.prefix_len, features[:fed])
