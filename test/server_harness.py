@@ -51,11 +51,16 @@ class Server:
 
 @contextmanager
 def running_server(
-    model_path: str, *flags: str, api_key: str | None = None, log_dir: str
+    model_path: str,
+    *flags: str,
+    api_key: str | None = None,
+    log_dir: str,
+    launch: list[str] | None = None,
 ) -> Iterator[Server]:
+    """``launch``: the command line before the flags (default: SGLang's spelling)."""
     port = free_port()
     cmd = [
-        *LAUNCH,
+        *(launch or LAUNCH),
         "--model-path",
         model_path,
         "--port",

@@ -181,6 +181,32 @@ class SchedulerConfig:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
 
 
+@dataclass(frozen=True)
+class LimitsConfig:
+    """What one request may ask for; past a limit it is refused (HTTP 400,
+    ``ValueError`` offline) with a message naming the limit's flag."""
+
+    max_n: int = 128  # choices per OpenAI request (OpenAI's own cap)
+    # Sequences one request starts: its prompts times n. None: no limit (the
+    # offline default: a batch job may pass any number of prompts); the
+    # server's flag defaults to SERVER_MAX_SEQUENCES.
+    max_sequences_per_request: int | None = None
+    max_stop_strings: int = 32
+    max_stop_length: int = 256  # characters of one stop string
+    max_token_ids_logprob: int = 256  # ids of token_ids_logprob
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name == "max_sequences_per_request":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{f.name} must be an integer >= 1, got {value!r}")
+
+
+SERVER_MAX_SEQUENCES = 512
+
+
 SPEC_ALGORITHMS = ("DSPARK", "DFLASH", "NGRAM")
 
 
@@ -232,6 +258,9 @@ class SpecConfig:
         return self.algorithm is not None
 
 
+# EngineConfig fields that hold a nested config (flat arguments fill them).
+SUB_CONFIGS = ("cache", "scheduler", "limits", "spec")
+
 # Flat engine-argument names (SGLang's) of the SpecConfig fields.
 SPEC_ARG_NAMES = {
     "speculative_algorithm": "algorithm",
@@ -261,6 +290,7 @@ class EngineConfig:
     grammar_backend: str = "xgrammar"  # or "none"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
@@ -288,7 +318,7 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, model_path: str, **kwargs: Any) -> EngineConfig:
         """Flat keyword arguments (SGLang names) into the nested frozen config."""
-        sub: dict[type, dict[str, Any]] = {CacheConfig: {}, SchedulerConfig: {}}
+        sub: dict[type, dict[str, Any]] = {CacheConfig: {}, SchedulerConfig: {}, LimitsConfig: {}}
         spec: dict[str, Any] = {}
         top: dict[str, Any] = {}
         names = {f.name for f in dataclasses.fields(cls)}
@@ -301,13 +331,14 @@ class EngineConfig:
                     sub[sub_cls][key] = value
                     break
             else:
-                if key not in names or key in ("cache", "scheduler", "spec"):
+                if key not in names or key in SUB_CONFIGS:
                     raise ValueError(f"unknown engine argument {key!r}")
                 top[key] = value
         return cls(
             model_path=model_path,
             cache=CacheConfig(**sub[CacheConfig]),
             scheduler=SchedulerConfig(**sub[SchedulerConfig]),
+            limits=LimitsConfig(**sub[LimitsConfig]),
             spec=SpecConfig(**spec),
             **top,
         )
@@ -325,6 +356,8 @@ class ServerConfig:
     log_level: str = "info"
     # Seconds between status lines (running/queued, KV usage, throughput); 0: off.
     stats_interval: float = 10.0
+    # Largest request body accepted (413 beyond it).
+    max_request_body_bytes: int = 32 * 2**20
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -333,3 +366,7 @@ class ServerConfig:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.stats_interval < 0:
             raise ValueError(f"stats_interval must be >= 0, got {self.stats_interval}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(
+                f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}"
+            )

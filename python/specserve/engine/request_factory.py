@@ -6,15 +6,17 @@ reaches the scheduler.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from specserve.config import LimitsConfig
 from specserve.engine.request import LogprobOptions
 from specserve.grammar.base import GrammarBackend
-from specserve.sampling.params import SamplingParams
-from specserve.tokenizer.tokenizer import Tokenizer
+from specserve.sampling.params import SEED_MODULUS, SamplingParams
+from specserve.tokenizer.tokenizer import Tokenizer, is_utf8
 
 
 @dataclass
@@ -34,12 +36,23 @@ class Limits:
     context_length: int
     capacity_tokens: int  # KV pool size: a longer request could never run
     max_top_logprobs: int
+    request: LimitsConfig = field(default_factory=LimitsConfig)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_id_list(v: Any) -> bool:
-    return isinstance(v, (list, tuple)) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in v
-    )
+    return isinstance(v, (list, tuple)) and all(_is_int(t) for t in v)
+
+
+def _choice(first: GenerateRequest, j: int) -> GenerateRequest:
+    """Choice ``j`` of a prompt: its own id and, when seeded, seed + j."""
+    sp = first.sampling
+    if sp.seed is not None:
+        sp = dataclasses.replace(sp, seed=(sp.seed + j) % SEED_MODULUS)
+    return GenerateRequest(list(first.input_ids), sp, first.logprob, grammar=first.grammar)
 
 
 class RequestFactory:
@@ -64,29 +77,53 @@ class RequestFactory:
         token_ids_logprob: Sequence[int] | Sequence[Sequence[int] | None] | None = None,
         return_text_in_logprobs: bool = False,
         rid: str | Sequence[str] | None = None,
+        n: int = 1,
     ) -> tuple[list[GenerateRequest], bool]:
-        """The requests, and whether the call was a batch (lists in, list out)."""
+        """The requests, and whether the call was a batch (lists in, list out).
+
+        ``n`` > 1 makes ``n`` requests of each prompt, in prompt order; with a
+        seed, choice ``j`` samples with ``seed + j`` (modulo 2**64)."""
+        cap = self.limits.request
+        if not _is_int(n) or not 1 <= n <= cap.max_n:
+            raise ValueError(f"n must be an integer in [1, {cap.max_n}] (--max-n), got {n!r}")
         if (prompt is None) == (input_ids is None):
             raise ValueError("prompt: give exactly one of a text prompt and input_ids")
+        given = prompt if prompt is not None else input_ids
+        batched = not isinstance(given, str) and not _is_id_list(given)
+        if batched and not isinstance(given, (list, tuple)):
+            raise ValueError("prompt must be a string, a list of strings or lists of token ids")
+        count = len(given) if batched else 1  # type: ignore[arg-type]
+        most = cap.max_sequences_per_request
+        if most is not None and count * n > most:
+            raise ValueError(
+                f"prompt: {count} prompt(s) x n={n} exceed the {most} "
+                "sequences a request may start (--max-sequences-per-request)"
+            )
         if prompt is not None:
-            batched = not isinstance(prompt, str)
-            texts = [prompt] if not batched else list(prompt)
+            texts = list(prompt) if batched else [prompt]
             if not all(isinstance(t, str) for t in texts):
                 raise ValueError("prompt must be a string or a list of strings")
+            if not all(is_utf8(t) for t in texts):
+                raise ValueError("prompt: text must be valid UTF-8 (no lone surrogates)")
             prompts = [self.tokenizer.encode(t) for t in texts]
         else:
             assert input_ids is not None
-            batched = not _is_id_list(input_ids)
-            prompts = [list(p) for p in input_ids] if batched else [list(input_ids)]  # type: ignore[arg-type]
-        n = len(prompts)
-        if n == 0:
+            lists = list(input_ids) if batched else [input_ids]  # type: ignore[list-item]
+            if not all(_is_id_list(p) for p in lists):
+                raise ValueError("input_ids: expected a list of token ids or a list of them")
+            prompts = [list(p) for p in lists]  # type: ignore[arg-type]
+        if not prompts:
             raise ValueError("prompt: empty batch")
+        if rid is not None and n > 1:
+            raise ValueError("rid: one id per sequence, so not with n > 1")
 
         def spread(value: Any, name: str, single: Callable[[Any], bool]) -> list[Any]:
             if single(value):
-                return [value] * n
-            if not isinstance(value, (list, tuple)) or len(value) != n:
-                raise ValueError(f"{name}: expected one value or a list of {n} (one per prompt)")
+                return [value] * count
+            if not isinstance(value, (list, tuple)) or len(value) != count:
+                raise ValueError(
+                    f"{name}: expected one value or a list of {count} (one per prompt)"
+                )
             return list(value)
 
         sps = spread(
@@ -95,28 +132,25 @@ class RequestFactory:
             lambda v: v is None or isinstance(v, (dict, SamplingParams)),
         )
         rls = spread(return_logprob, "return_logprob", lambda v: isinstance(v, bool))
-        starts = spread(
-            logprob_start_len, "logprob_start_len", lambda v: v is None or isinstance(v, int)
-        )
-        tops = spread(top_logprobs_num, "top_logprobs_num", lambda v: isinstance(v, int))
+        starts = spread(logprob_start_len, "logprob_start_len", lambda v: v is None or _is_int(v))
+        tops = spread(top_logprobs_num, "top_logprobs_num", _is_int)
         tids = spread(token_ids_logprob, "token_ids_logprob", lambda v: v is None or _is_id_list(v))
         rids = spread(rid, "rid", lambda v: v is None or isinstance(v, str))
         named = [r for r in rids if r is not None]
         if len(set(named)) != len(named):
             raise ValueError("rid: request ids must be unique")
-        reqs = [
-            self._one(
-                prompts[i],
-                sps[i],
-                rls[i],
-                starts[i],
-                tops[i],
-                tids[i],
-                return_text_in_logprobs,
-                rids[i],
+        if not isinstance(return_text_in_logprobs, bool):
+            raise ValueError(
+                f"return_text_in_logprobs must be a boolean, got {return_text_in_logprobs!r}"
             )
-            for i in range(n)
-        ]
+        reqs = []
+        for i in range(count):
+            first = self._one(
+                prompts[i], sps[i], rls[i], starts[i], tops[i], tids[i],
+                return_text_in_logprobs, rids[i],
+            )  # fmt: skip
+            reqs.append(first)
+            reqs.extend(_choice(first, j) for j in range(1, n))
         return reqs, batched
 
     def _one(
@@ -134,9 +168,20 @@ class RequestFactory:
         vocab = lim.vocab_size
         if not ids:
             raise ValueError("prompt: empty prompt (no tokens)")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+        if not all(_is_int(t) and 0 <= t < vocab for t in ids):
             raise ValueError(f"input_ids: every token id must be an integer in [0, {vocab})")
         sp = SamplingParams.from_dict(sampling)
+        cap = lim.request
+        if len(sp.stop) > cap.max_stop_strings:
+            raise ValueError(
+                f"stop: {len(sp.stop)} stop strings exceed the limit of {cap.max_stop_strings} "
+                "(--max-stop-strings)"
+            )
+        if any(len(s) > cap.max_stop_length for s in sp.stop):
+            raise ValueError(
+                f"stop: a stop string is longer than {cap.max_stop_length} characters "
+                "(--max-stop-length)"
+            )
         if any(t >= vocab for t in (sp.logit_bias or {})):
             raise ValueError(f"logit_bias: token ids must be < {vocab}")
         if any(t >= vocab for t in sp.stop_token_ids):
@@ -144,17 +189,13 @@ class RequestFactory:
         if not isinstance(return_logprob, bool):
             raise ValueError(f"return_logprob must be a boolean, got {return_logprob!r}")
         start = -1 if logprob_start_len is None else logprob_start_len
-        if not isinstance(start, int) or isinstance(start, bool) or not -1 <= start < len(ids):
+        if not _is_int(start) or not -1 <= start < len(ids):
             raise ValueError(
                 f"logprob_start_len must be -1 or in [0, {len(ids)}) (the prompt length), "
                 f"got {logprob_start_len!r}"
             )
         max_top = min(lim.max_top_logprobs, vocab)
-        if (
-            not isinstance(top_logprobs_num, int)
-            or isinstance(top_logprobs_num, bool)
-            or not 0 <= top_logprobs_num <= max_top
-        ):
+        if not _is_int(top_logprobs_num) or not 0 <= top_logprobs_num <= max_top:
             raise ValueError(
                 f"top_logprobs_num must be in [0, {max_top}], got {top_logprobs_num!r}"
             )
@@ -164,6 +205,11 @@ class RequestFactory:
                 0 <= t < vocab for t in token_ids_logprob
             ):
                 raise ValueError(f"token_ids_logprob: expected a list of token ids in [0, {vocab})")
+            if len(token_ids_logprob) > cap.max_token_ids_logprob:
+                raise ValueError(
+                    f"token_ids_logprob: {len(token_ids_logprob)} ids exceed the limit of "
+                    f"{cap.max_token_ids_logprob} (--max-token-ids-logprob)"
+                )
             tid = tuple(token_ids_logprob) or None
         total = len(ids) + sp.max_new_tokens
         limits = (
@@ -178,8 +224,8 @@ class RequestFactory:
                     f"max_new_tokens: the prompt ({len(ids)} tokens) plus max_new_tokens "
                     f"({sp.max_new_tokens}) exceeds {what} ({limit} tokens)"
                 )
-        if rid is not None and (not isinstance(rid, str) or not rid):
-            raise ValueError("rid must be a non-empty string")
+        if rid is not None and (not isinstance(rid, str) or not rid or not is_utf8(rid)):
+            raise ValueError("rid must be a non-empty UTF-8 string")
         compiled = None
         spec = sp.grammar
         if spec is not None:

@@ -1,26 +1,39 @@
 """Request bodies of the OpenAI-compatible endpoints (responses are plain dicts).
 
-Unknown fields are ignored, as OpenAI-compatible servers commonly do, so that
-clients sending newer or vendor-specific fields keep working.
+Types are strict (see ``protocol/base.py``); value ranges are checked by the
+engine's request factory and the endpoints, before anything is admitted.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from specserve.protocol.base import RequestBody, StrictModel
+
+TokenIds = list[int]
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """Sampling fields shared by completions and chat (OpenAI + SGLang/vLLM extras)."""
+class JsonSchemaFormat(StrictModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
 
-    model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class SamplingKnobs(StrictModel):
+    """Sampling fields both APIs spell the same way (null: the default)."""
+
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -30,35 +43,56 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = Field(default=None, description="a string or a list of strings")
+    stop_token_ids: TokenIds | None = None
+    json_schema: str | dict[str, Any] | None = Field(
+        default=None, description="a JSON schema, as an object or as a string"
+    )
+    regex: str | None = None
+    ebnf: str | None = None
+
+
+class SamplingFields(RequestBody, SamplingKnobs):
+    """Sampling fields shared by completions and chat (OpenAI + SGLang/vLLM extras)."""
+
+    model: str | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
-    # Grammar constraints (served once a grammar backend is available).
-    response_format: dict[str, Any] | None = None
-    json_schema: str | dict[str, Any] | None = None
-    regex: str | None = None
-    ebnf: str | None = None
+    # Output constraints (one at most): this, or json_schema / regex / ebnf.
+    response_format: ResponseFormat | None = None
     user: str | None = None
+    # SGLang's extension: the id ``/abort_request`` takes.
+    rid: str | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
+        description="a string, a list of strings, a list of token ids or a list of them"
+    )
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ContentPart(StrictModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(StrictModel):
+    """Keys beyond ``role`` and ``content`` go to the chat template as they are."""
+
+    model_config = {**StrictModel.model_config, "extra": "allow"}
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = Field(
+        default=None, description="a string, null or a list of content parts"
+    )
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -71,16 +105,12 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    prompt: str | list[dict[str, Any]]
+class TokenizeRequest(RequestBody):
+    prompt: str | list[dict[str, Any]] = Field(description="a string, or a list of chat messages")
     add_special_tokens: bool = True
     model: str | None = None
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    tokens: list[int]
+class DetokenizeRequest(RequestBody):
+    tokens: TokenIds
     model: str | None = None

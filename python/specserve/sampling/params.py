@@ -5,10 +5,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from specserve.grammar.base import GrammarSpec
+
+# Temperatures this small sample greedily (SGLang and vLLM do the same):
+# dividing logits by them overflows float32.
+GREEDY_BELOW = 1e-5
+# Seeds: anything a client may mean by a 64-bit seed, signed or not, taken
+# modulo 2**64 (what torch generators accept).
+SEED_RANGE = (-(2**63), 2**64)
+SEED_MODULUS = 2**64
+# Beyond this range the penalised logits stop being finite numbers in float32
+# and the distribution turns into NaN.
+REPETITION_PENALTY = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
@@ -36,19 +48,36 @@ class SamplingParams:
     ebnf: str | None = None
 
     def __post_init__(self) -> None:
-        # Normalise the container fields so the frozen object is self-contained.
+        # Type checks first (nothing is coerced: a string is not a flag, a dict
+        # is not a list of stops), then the containers are normalised so the
+        # frozen object is self-contained, then the ranges.
+        self._check_types()
         stop = self.stop
-        if stop is None:
-            stop = ()
-        elif isinstance(stop, str):
-            stop = (stop,)
-        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _parse_logit_bias(self.logit_bias))
         if isinstance(self.json_schema, dict):
             object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        if isinstance(self.temperature, (int, float)) and 0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)  # 1/t would overflow float32
         self._validate()
+        if self.seed is not None:
+            object.__setattr__(self, "seed", self.seed % SEED_MODULUS)
+
+    def _check_types(self) -> None:
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_object"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a boolean, got {value!r}")
+        stop = self.stop
+        if not (stop is None or isinstance(stop, str) or _is_seq(stop)):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        ids = self.stop_token_ids
+        if not (ids is None or _is_seq(ids)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+        if not (self.json_schema is None or isinstance(self.json_schema, (str, dict))):
+            raise ValueError(f"json_schema must be a string or an object, got {self.json_schema!r}")
 
     def _validate(self) -> None:
         def check(cond: bool, field: str, expect: str) -> None:
@@ -74,9 +103,10 @@ class SamplingParams:
         check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "-1 (disabled) or an integer >= 0")
         check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
         check(
-            _is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+            _is_num(self.repetition_penalty)
+            and REPETITION_PENALTY[0] <= self.repetition_penalty <= REPETITION_PENALTY[1],
             "repetition_penalty",
-            "> 0",
+            f"in [{REPETITION_PENALTY[0]}, {REPETITION_PENALTY[1]}]",
         )
         check(
             _is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
@@ -88,7 +118,12 @@ class SamplingParams:
             "presence_penalty",
             "in [-2, 2]",
         )
-        check(self.seed is None or _is_int(self.seed), "seed", "an integer or null")
+        check(
+            self.seed is None
+            or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]),
+            "seed",
+            "null or an integer in [-2**63, 2**64)",
+        )
         check(
             all(isinstance(s, str) and s for s in self.stop),
             "stop",
@@ -163,6 +198,10 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_seq(x: Any) -> bool:
+    return isinstance(x, (list, tuple))
+
+
 def _is_num(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -172,13 +211,19 @@ def _parse_logit_bias(bias: Any) -> dict[int, float]:
         raise ValueError(f"logit_bias must be an object mapping token ids to numbers, got {bias!r}")
     out: dict[int, float] = {}
     for k, v in bias.items():
-        try:
+        # JSON keys are strings of decimal digits; the offline API may use ints.
+        if _is_int(k):
+            tid = k
+        elif isinstance(k, str) and _DIGITS.fullmatch(k):
             tid = int(k)
-        except (TypeError, ValueError):
-            raise ValueError(f"logit_bias: key {k!r} is not a token id") from None
+        else:
+            raise ValueError(f"logit_bias: key {k!r} is not a token id")
         if tid < 0 or not _is_num(v) or not -100 <= v <= 100:
             raise ValueError(
                 f"logit_bias: entry {k!r}: {v!r} must be a number in [-100, 100] for a token id >= 0"
             )
         out[tid] = float(v)
     return out
+
+
+_DIGITS = re.compile(r"[0-9]{1,18}")

@@ -79,7 +79,9 @@ class Sampler:
 def filter_probs(probs: torch.Tensor, params: list) -> torch.Tensor:
     """Zeroes what top-k, top-p and min-p exclude in ``probs [S, V]`` (not renormalised)."""
     vocab = probs.shape[1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=probs.device)
+    # top_k past the vocabulary keeps everything (and would overflow int64).
+    ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    top_k = torch.tensor(ks, device=probs.device)
     top_p = torch.tensor([p.top_p for p in params], device=probs.device)
     min_p = torch.tensor([p.min_p for p in params], device=probs.device)
     sorted_p, order = probs.sort(dim=-1, descending=True)

@@ -9,6 +9,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specserve import __version__
 from specserve.config import ServerConfig
@@ -26,6 +28,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     ctx = ServerContext(engine, config, config.served_model_name or engine.config.model_path)
     app.state.ctx = ctx
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=config.max_request_body_bytes)
     if config.api_key:
         _install_auth(app, config.api_key)
     for module in (openai_completions, openai_chat, native):
@@ -33,8 +36,13 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     created = int(time.time())
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Response:
+        """Liveness: 503 once the engine has stopped on an error (the server
+        then exits non-zero)."""
+        if engine.error is not None:
+            body = error_body(f"the engine stopped: {engine.error}", "server_error", None, 503)
+            return JSONResponse(body, 503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/health_generate")
     async def health_generate(raw: Request) -> Response:
@@ -135,6 +143,40 @@ def _spec_info(engine: Engine) -> dict[str, Any] | None:
         "mean_accept_length": st["spec_accept_length"],
         "verify_rounds": st["spec_verify_rounds"],
     }
+
+
+class BodyLimit:
+    """Refuses request bodies over ``limit`` bytes with a 413, whether they
+    declare their length or stream it chunked, before they are buffered."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = HTTPException(
+            413,
+            f"request body: larger than the limit of {self.limit} bytes (--max-request-body-bytes)",
+        )
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await APIError(too_large.detail, None, 413).response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise too_large  # an HTTPException: rendered by the error handlers
+            return message
+
+        await self.app(scope, limited, send)
 
 
 def _install_auth(app: FastAPI, api_key: str) -> None:

@@ -10,10 +10,13 @@ from typing import Any
 from specserve.config import (
     LOG_LEVELS,
     LOGPROBS_MODES,
+    SERVER_MAX_SEQUENCES,
     SPEC_ALGORITHMS,
     SPEC_ARG_NAMES,
+    SUB_CONFIGS,
     CacheConfig,
     EngineConfig,
+    LimitsConfig,
     SchedulerConfig,
     ServerConfig,
     SpecConfig,
@@ -87,6 +90,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=SchedulerConfig.chunked_prefill_size,
         help="most prompt tokens prefilled per step",
     )
+    lim = parser.add_argument_group("request limits (a request over one gets a 400)")
+    for name, default, help in (
+        ("max_n", LimitsConfig.max_n, "most choices (n) per OpenAI request"),
+        (
+            "max_sequences_per_request",
+            SERVER_MAX_SEQUENCES,
+            "most sequences per request: its prompts times n",
+        ),
+        ("max_stop_strings", LimitsConfig.max_stop_strings, "most stop strings per request"),
+        ("max_stop_length", LimitsConfig.max_stop_length, "most characters of one stop string"),
+        (
+            "max_token_ids_logprob",
+            LimitsConfig.max_token_ids_logprob,
+            "most token ids in token_ids_logprob",
+        ),
+    ):
+        lim.add_argument(
+            "--" + name.replace("_", "-"), type=int, default=default, help=f"{help} ({default})"
+        )
 
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
@@ -168,6 +190,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=ServerConfig.stats_interval,
         help="seconds between status log lines while serving (0: off)",
     )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=ServerConfig.max_request_body_bytes,
+        help="largest request body accepted; larger ones get a 413",
+    )
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -197,10 +225,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Engine keyword arguments from parsed flags (unset optional flags dropped)."""
     names = {
         f.name
-        for cls in (EngineConfig, CacheConfig, SchedulerConfig)
+        for cls in (EngineConfig, CacheConfig, SchedulerConfig, LimitsConfig)
         for f in dataclasses.fields(cls)
     } | set(SPEC_ARG_NAMES)
-    names -= {"model_path", "cache", "scheduler", "spec"}
+    names -= {"model_path", *SUB_CONFIGS}
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 

@@ -5,20 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from specserve.config import ServerConfig
-from specserve.engine.engine import Engine
+from specserve.engine.engine import Engine, EngineStopped
 from specserve.engine.engine_core import RequestOutput
 from specserve.engine.request_factory import GenerateRequest
 from specserve.engine.result import ResultCollector
-from specserve.server.errors import APIError, from_value_error
+from specserve.server.errors import APIError, error_body, from_value_error
 from specserve.server.metrics import Histogram, Registry, Sampled
+
+logger = logging.getLogger(__name__)
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -33,6 +38,8 @@ class ServerContext:
     config: ServerConfig
     model_name: str
     metrics: Registry = field(default_factory=Registry)
+    # OpenAI requests' ``rid`` -> the engine ids of their sequences.
+    groups: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         m = self.metrics
@@ -105,70 +112,173 @@ class ServerContext:
             self.engine.check_new_rids(greqs)
         except ValueError as e:
             raise from_value_error(e, renames) from None
+        taken = next((g.rid for g in greqs if self._live(self.groups.get(g.rid, ()))), None)
+        if taken is not None:
+            raise APIError(f"rid: {taken!r} is already in use", "rid")
         return greqs, batched
+
+    def claim(self, rid: str | None, greqs: list[GenerateRequest]) -> None:
+        """Lets ``/abort_request`` with ``rid`` (an OpenAI request's ``rid``)
+        abort every sequence of the request, until ``release``."""
+        if rid is None:
+            return
+        live = self._live(self.groups.get(rid, ())) or self.engine.rid_in_use(rid)
+        if live:
+            raise APIError(f"rid: {rid!r} is already in use", "rid")
+        self.groups[rid] = [g.rid for g in greqs]
+
+    def release(self, rid: str | None) -> None:
+        if rid is not None:
+            self.groups.pop(rid, None)
+
+    def _live(self, rids: Any) -> bool:
+        return any(self.engine.rid_in_use(r) for r in rids)
+
+    def abort(self, rid: str) -> int:
+        """Aborts the request(s) of ``rid``; how many were in flight."""
+        rids = self.groups.get(rid) or [rid]
+        live = set(self.engine.active_rids())
+        hits = [r for r in rids if r in live]
+        for r in hits:
+            self.engine.abort(r, "aborted by /abort_request")
+        return len(hits)
 
     async def stream(self, greq: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """The engine's deltas for one request, timed into the latency histograms."""
         start = last = time.monotonic()
         first = True
-        async for out in self.engine.stream(greq):
-            now = time.monotonic()
-            if out.token_ids:
-                if first:
-                    self.ttft.observe(now - start)
-                    first = False
-                else:
-                    # Several tokens in one delta share the gap since the last one.
-                    gap = (now - last) / len(out.token_ids)
-                    for _ in out.token_ids:
-                        self.itl.observe(gap)
-                last = now
-            if out.finished:
-                self.e2e.observe(now - start)
-            yield out
+        try:
+            async with aclosing(self.engine.stream(greq)) as deltas:
+                async for out in deltas:
+                    now = time.monotonic()
+                    if out.token_ids:
+                        if first:
+                            self.ttft.observe(now - start)
+                            first = False
+                        else:
+                            # Several tokens in one delta share the gap since the last one.
+                            gap = (now - last) / len(out.token_ids)
+                            for _ in out.token_ids:
+                                self.itl.observe(gap)
+                        last = now
+                    if out.finished:
+                        self.e2e.observe(now - start)
+                    yield out
+        except EngineStopped as e:  # shut down, or stopped on a device error
+            raise APIError(str(e), None, 503, "server_error") from None
 
     async def stream_all(
         self, greqs: list[GenerateRequest]
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The deltas of several requests as they come, tagged with their index.
         Leaving early (a client that disconnected) aborts every request."""
-        merged: asyncio.Queue[tuple[int, RequestOutput] | None] = asyncio.Queue()
+        merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
         async def pump(i: int, greq: GenerateRequest) -> None:
-            async for out in self.stream(greq):
-                await merged.put((i, out))
+            try:
+                async for out in self.stream(greq):
+                    await merged.put((i, out))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # handed to the reader, never left unretrieved
+                await merged.put(e)
+                return
+            await merged.put(None)
 
         tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(greqs)]
-        done = asyncio.gather(*tasks)
-        done.add_done_callback(lambda _: merged.put_nowait(None))
         try:
-            while (item := await merged.get()) is not None:
-                yield item
-            await done  # surfaces a failure instead of ending the stream silently
+            running = len(tasks)
+            while running:
+                item = await merged.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
         finally:
             for t in tasks:
-                t.cancel()
+                t.cancel()  # a request still running is aborted (Engine.stream)
+
+    @asynccontextmanager
+    async def streaming(
+        self, group: str | None, greqs: list[GenerateRequest]
+    ) -> AsyncIterator[AsyncIterator[tuple[int, RequestOutput]]]:
+        """``stream_all`` for a streamed answer: a request that failed in the
+        engine ends the stream with an error event (after its last delta);
+        the group of ``claim`` is released at the end."""
+
+        async def deltas() -> AsyncIterator[tuple[int, RequestOutput]]:
+            async with aclosing(self.stream_all(greqs)) as items:
+                async for i, out in items:
+                    yield i, out
+                    failed = _failure(out) if out.finished else None
+                    if failed is not None:
+                        raise failed
+
+        try:
+            async with aclosing(deltas()) as items:
+                yield items
+        finally:
+            self.release(group)
+
+    def event_stream(self, events: AsyncIterator[str]) -> StreamingResponse:
+        """A server-sent-event response that never breaks off mid-stream: an
+        error after the 200 is sent as an OpenAI error event, then ``[DONE]``."""
+
+        async def guarded() -> AsyncIterator[str]:
+            try:
+                async with aclosing(events) as it:
+                    async for event in it:
+                        yield event
+            except APIError as e:
+                yield sse(error_body(e.message, e.type, e.param, e.status))
+                yield sse("[DONE]")
+            except Exception as e:
+                logger.exception("a streamed response failed")
+                yield sse(error_body(f"internal error: {e!r}", "server_error", None, 500))
+                yield sse("[DONE]")
+
+        return StreamingResponse(guarded(), media_type="text/event-stream")
 
     async def collect(self, greqs: list[GenerateRequest], request: Request) -> list[RequestOutput]:
-        """Runs requests to completion; aborts them all if the client goes away."""
+        """Runs requests to completion; aborts them all if the client goes away.
+        A request that failed in the engine fails the whole answer (400 for
+        its own bad input, 500 for an internal error)."""
+        outs: list[RequestOutput | None] = [None] * len(greqs)
+        cols = [ResultCollector() for _ in greqs]
 
-        async def one(greq: GenerateRequest) -> RequestOutput:
-            col = ResultCollector()
-            async for out in self.stream(greq):
-                col.add(out)
-            return col.as_output(greq.rid)
+        async def run() -> None:
+            async with aclosing(self.stream_all(greqs)) as deltas:
+                async for i, out in deltas:
+                    cols[i].add(out)
+                    if out.finished:
+                        outs[i] = cols[i].as_output(greqs[i].rid)
+                        failed = _failure(out)
+                        if failed is not None:
+                            raise failed
 
-        work = asyncio.gather(*(one(g) for g in greqs))
+        work = asyncio.create_task(run())
         watch = asyncio.create_task(_wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
             if work not in done:
+                logger.info("client disconnected; aborting %d request(s)", len(greqs))
                 raise APIError("client disconnected", status=499)
-            return work.result()
+            work.result()
+            return outs  # type: ignore[return-value]
         finally:
             watch.cancel()
             if not work.done():
                 work.cancel()  # disconnect or our own cancellation: abort the requests
+
+
+def _failure(out: RequestOutput) -> APIError | None:
+    reason = out.finish_reason
+    if reason is None or reason.status is None:
+        return None
+    kind = "invalid_request_error" if reason.status < 500 else "server_error"
+    return APIError(reason.message or "the request failed", None, reason.status, kind)
 
 
 def _reader(stats: Callable[[], dict[str, Any]], key: str) -> Callable[[], Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -55,6 +56,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
         return e.response()
 
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+        # A bug, not the client's fault; still an answer in the OpenAI shape
+        # (Starlette logs the traceback).
+        return APIError(f"internal error: {e!r}", None, 500, "server_error").response()
+
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
@@ -63,12 +70,42 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         # FastAPI answers 422 by default; OpenAI clients expect 400 naming the field.
-        errors = e.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            return APIError(f"request body is not valid JSON: {first.get('msg', '')}").response()
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = loc[0] if loc else None
-        where = ".".join(loc) or "request body"
-        message = f"{where}: {first.get('msg', 'invalid request')}"
-        return APIError(message, param).response()
+        return validation_error(e.errors()).response()
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """One 400 from pydantic's errors. A value that fits no branch of a union
+    yields one error per branch; the one that got furthest into the value
+    (deepest location, then highest index) says best what is wrong."""
+    if not errors:
+        return APIError("invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return APIError(f"request body is not valid JSON: {first.get('msg', '')}")
+    ctx = first.get("ctx") or {}
+    if first.get("type") == "utf8":
+        return APIError(first.get("msg", "invalid string"), ctx.get("param"))
+    paths = [_field_path(err.get("loc", ())) for err in errors]
+    best = max(range(len(errors)), key=lambda i: (len(paths[i]), _last_index(paths[i]), -i))
+    path = paths[best]
+    where = ".".join(map(str, path)) or "request body"
+    param = str(path[0]) if path else None
+    return APIError(f"{where}: {errors[best].get('msg', 'invalid value')}", param)
+
+
+def _field_path(loc: Sequence[Any]) -> list[Any]:
+    """The location without FastAPI's ``body`` prefix and pydantic's union
+    branch tags (``str``, ``list[int]``, model names, ...)."""
+    return [p for p in loc if p != "body" and not (isinstance(p, str) and _is_tag(p))]
+
+
+def _is_tag(part: str) -> bool:
+    return "[" in part or part[:1].isupper() or part in _TYPE_TAGS
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _last_index(path: Sequence[Any]) -> int:
+    ints = [p for p in path if isinstance(p, int)]
+    return ints[-1] if ints else -1

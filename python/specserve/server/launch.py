@@ -8,6 +8,7 @@ and lives happily on its own thread and event loop.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -39,6 +40,11 @@ def serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
+    # Everything built so far (modules, weights, tokenizer) lives as long as the
+    # process: keep it out of the collector's full passes, which otherwise
+    # stall every step that allocates many small objects (logprob entries).
+    gc.collect()
+    gc.freeze()
     app = create_app(engine, cfg)
     server = uvicorn.Server(
         uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False)
@@ -65,4 +71,7 @@ def serve(args: argparse.Namespace) -> int:
         engine.shutdown()  # in-flight requests end with finish_reason "abort"
         server.should_exit = True
         http.join(timeout=30)
+    if engine.error is not None:
+        print(f"specserve: error: the engine stopped: {engine.error}", file=sys.stderr)
+        return 1
     return 0

@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from specserve.engine.request_factory import GenerateRequest
 from specserve.engine.result import ResultCollector
-from specserve.protocol.native import GenerateReqInput
+from specserve.protocol.native import AbortRequestInput, GenerateReqInput
 from specserve.server.context import ServerContext, sse
+from specserve.server.errors import APIError
 
 router = APIRouter()
 
@@ -28,7 +28,7 @@ async def generate(body: GenerateReqInput, raw: Request) -> Any:
         {"prompt": "text"},
         prompt=body.text,
         input_ids=body.input_ids,
-        sampling_params=body.sampling_params,
+        sampling_params=body.sampling_dicts(),
         return_logprob=body.return_logprob,
         logprob_start_len=body.logprob_start_len,
         top_logprobs_num=body.top_logprobs_num,
@@ -37,20 +37,35 @@ async def generate(body: GenerateReqInput, raw: Request) -> Any:
         rid=body.rid,
     )
     if body.stream:
-        return StreamingResponse(_stream(ctx, greqs, batched), media_type="text/event-stream")
+        return ctx.event_stream(_stream(ctx, greqs, batched))
     outs = await ctx.collect(greqs, raw)
     results = [ctx.engine.format(g, o) for g, o in zip(greqs, outs)]
     return results if batched else results[0]
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortRequestInput, raw: Request) -> dict[str, Any]:
+    """SGLang's endpoint: aborts a queued or running request by ``rid`` (the
+    ``rid`` of a ``/generate`` prompt or of an OpenAI request), or all of them."""
+    ctx: ServerContext = raw.app.state.ctx
+    if body.abort_all:
+        count = len(ctx.engine.active_rids())
+        ctx.engine.abort_all("aborted by /abort_request")
+        return {"aborted": count}
+    if not body.rid:
+        raise APIError("rid: give the id of the request to abort, or abort_all", "rid")
+    return {"aborted": ctx.abort(body.rid)}
 
 
 async def _stream(
     ctx: ServerContext, greqs: list[GenerateRequest], batched: bool
 ) -> AsyncIterator[str]:
     cols = [ResultCollector() for _ in greqs]
-    async for i, out in ctx.stream_all(greqs):
-        cols[i].add(out)
-        result = ctx.engine.format(greqs[i], cols[i].as_output(greqs[i].rid))
-        if batched:
-            result["index"] = i
-        yield sse(result)
+    async with ctx.streaming(None, greqs) as deltas:
+        async for i, out in deltas:
+            cols[i].add(out)
+            result = ctx.engine.format(greqs[i], cols[i].as_output(greqs[i].rid))
+            if batched:
+                result["index"] = i
+            yield sse(result)
     yield sse("[DONE]")

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from specserve.engine.request_factory import GenerateRequest
 from specserve.protocol.openai import ChatCompletionRequest
@@ -21,7 +20,6 @@ from specserve.server.openai_common import (
     constraint_renames,
     finish_name,
     sampling_dict,
-    seeded,
     usage,
 )
 
@@ -47,8 +45,6 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> A
             raise APIError("top_logprobs requires logprobs to be true", "top_logprobs")
         if not 0 <= top <= cap:
             raise APIError(f"top_logprobs must be in [0, {cap}], got {top}", "top_logprobs")
-    if body.n < 1:
-        raise APIError(f"n must be >= 1, got {body.n}", "n")
     ids = await _apply_template(ctx, body)
     limit = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -56,25 +52,27 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> A
     if limit is None:  # as much as the context and the KV pool leave
         lim = ctx.engine.requests.limits
         limit = max(0, min(lim.context_length, lim.capacity_tokens) - len(ids))
-    sp = sampling_dict(body, limit)
     greqs, _ = await ctx.build(
         {**RENAMES, **constraint_renames(body)},
-        input_ids=[ids] * body.n,
-        sampling_params=[seeded(sp, j) for j in range(body.n)],
+        input_ids=ids,
+        sampling_params=sampling_dict(body, limit),
         return_logprob=body.logprobs,
         top_logprobs_num=top or 0,
+        n=body.n,
     )
     head = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "created": int(time.time()),
         "model": ctx.model_name,
     }
+    ctx.claim(body.rid, greqs)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            _stream(ctx, greqs, head, body.logprobs, include_usage), media_type="text/event-stream"
-        )
-    outs = await ctx.collect(greqs, raw)
+        return ctx.event_stream(_stream(ctx, body.rid, greqs, head, body.logprobs, include_usage))
+    try:
+        outs = await ctx.collect(greqs, raw)
+    finally:
+        ctx.release(body.rid)
     choices = [
         {
             "index": i,
@@ -98,7 +96,7 @@ async def _apply_template(ctx: ServerContext, body: ChatCompletionRequest) -> li
         msg = m.model_dump(exclude_none=True)
         if isinstance(msg.get("content"), list):  # content parts: keep the text ones
             msg["content"] = "".join(
-                p.get("text", "") for p in msg["content"] if p.get("type") == "text"
+                p.get("text") or "" for p in msg["content"] if p.get("type") == "text"
             )
         messages.append(msg)
     tok = ctx.engine.tokenizer
@@ -136,6 +134,7 @@ def _items(ctx: ServerContext, entries: list[TokenLogprob]) -> list[dict[str, An
 
 async def _stream(
     ctx: ServerContext,
+    group: str | None,
     greqs: list[GenerateRequest],
     head: dict[str, Any],
     with_logprobs: bool,
@@ -152,13 +151,14 @@ async def _stream(
     for i in range(len(greqs)):
         yield chunk(i, {"role": "assistant", "content": ""})
     completion_tokens = 0
-    async for i, out in ctx.stream_all(greqs):
-        completion_tokens += len(out.token_ids)
-        if out.text or out.token_ids:
-            lps = {"content": _items(ctx, out.output_logprobs)} if with_logprobs else None
-            yield chunk(i, {"content": out.text}, lps)
-        if out.finished:
-            yield chunk(i, {}, None, finish_name(out.finish_reason))
+    async with ctx.streaming(group, greqs) as deltas:
+        async for i, out in deltas:
+            completion_tokens += len(out.token_ids)
+            if out.text or out.token_ids:
+                lps = {"content": _items(ctx, out.output_logprobs)} if with_logprobs else None
+                yield chunk(i, {"content": out.text}, lps)
+            if out.finished:
+                yield chunk(i, {}, None, finish_name(out.finish_reason))
     if include_usage:
         prompt_tokens = len(greqs[0].input_ids)
         yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})

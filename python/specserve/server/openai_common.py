@@ -52,23 +52,16 @@ def _constraint(body: SamplingFields) -> dict[str, Any]:
     ``regex`` / ``ebnf`` extension fields (two of them at once is a 400)."""
     out: dict[str, Any] = {}
     rf = body.response_format
-    kind = (rf or {}).get("type", "text")
-    if kind == "json_object":
+    if rf is not None and rf.type == "json_object":
         out["json_object"] = True
-    elif kind == "json_schema":
-        spec = rf.get("json_schema") if rf else None
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
+    elif rf is not None and rf.type == "json_schema":
+        schema = rf.json_schema.schema_ if rf.json_schema is not None else None
+        if schema is None:
             raise APIError(
                 "response_format: json_schema needs a 'json_schema' object with a 'schema'",
                 "response_format",
             )
         out["json_schema"] = json.dumps(schema)
-    elif kind != "text":
-        raise APIError(
-            f"response_format: type must be text, json_object or json_schema, got {kind!r}",
-            "response_format",
-        )
     for name in ("json_schema", "regex", "ebnf"):
         value = getattr(body, name)
         if value is not None:
@@ -80,7 +73,8 @@ def _constraint(body: SamplingFields) -> dict[str, Any]:
 
 def constraint_renames(body: SamplingFields) -> dict[str, str]:
     """Errors about a constraint given as ``response_format`` name that field."""
-    if body.response_format and body.response_format.get("type") in ("json_object", "json_schema"):
+    rf = body.response_format
+    if rf is not None and rf.type in ("json_object", "json_schema"):
         return {"json_schema": "response_format", "json_object": "response_format"}
     return {}
 
@@ -95,11 +89,3 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-
-
-def seeded(sp: dict[str, Any], choice: int) -> dict[str, Any]:
-    """Sampling params of choice ``choice`` of ``n``: with a seed, each choice
-    gets its own reproducible stream (``seed + choice``)."""
-    if choice == 0 or sp.get("seed") is None:
-        return sp
-    return {**sp, "seed": sp["seed"] + choice}

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from specserve.engine.engine_core import RequestOutput
 from specserve.engine.request_factory import GenerateRequest
@@ -22,7 +21,6 @@ from specserve.server.openai_common import (
     constraint_renames,
     finish_name,
     sampling_dict,
-    seeded,
     usage,
 )
 
@@ -57,42 +55,41 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Any:
     max_top = ctx.engine.config.max_top_logprobs
     if body.logprobs is not None and not 0 <= body.logprobs <= max_top:
         raise APIError(f"logprobs must be in [0, {max_top}], got {body.logprobs}", "logprobs")
-    if body.n < 1:
-        raise APIError(f"n must be >= 1, got {body.n}", "n")
     prompt = body.prompt
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        prompt = [prompt]  # type: ignore[list-item]
-    if not prompt:
+    if isinstance(prompt, list) and not prompt:
         raise APIError("prompt: must not be empty", "prompt")
-    texts = prompt if isinstance(prompt[0], str) else None
-    sp = sampling_dict(body, 16 if body.max_tokens is None else body.max_tokens)
+    texts = isinstance(prompt, str) or isinstance(prompt[0], str)
     with_logprobs = body.logprobs is not None
-    per_choice = [(p, j) for p in prompt for j in range(body.n)]
-    greqs, _ = await ctx.build(
+    greqs, batched = await ctx.build(
         {**RENAMES, **constraint_renames(body)},
-        prompt=[p for p, _ in per_choice] if texts is not None else None,
-        input_ids=None if texts is not None else [list(p) for p, _ in per_choice],
-        sampling_params=[seeded(sp, j) for _, j in per_choice],
+        prompt=prompt if texts else None,
+        input_ids=None if texts else prompt,
+        sampling_params=sampling_dict(body, 16 if body.max_tokens is None else body.max_tokens),
         return_logprob=with_logprobs,
         logprob_start_len=0 if body.echo and with_logprobs else -1,
         top_logprobs_num=body.logprobs or 0,
+        n=body.n,
     )
+    prompts = prompt if batched else [prompt]
     tok = ctx.engine.tokenizer
     choices = [
         _Choice(i, g, p if isinstance(p, str) else tok.decode(g.input_ids, False), body.echo)
-        for i, (g, (p, _)) in enumerate(zip(greqs, per_choice))
+        for i, (g, p) in enumerate(zip(greqs, (p for p in prompts for _ in range(body.n))))
     ]
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
     prompt_tokens = sum(len(g.input_ids) for g in greqs[:: body.n])
+    ctx.claim(body.rid, greqs)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            _stream(ctx, choices, head, with_logprobs, include_usage, prompt_tokens),
-            media_type="text/event-stream",
+        return ctx.event_stream(
+            _stream(ctx, body.rid, choices, head, with_logprobs, include_usage, prompt_tokens)
         )
-    outs = await ctx.collect(greqs, raw)
+    try:
+        outs = await ctx.collect(greqs, raw)
+    finally:
+        ctx.release(body.rid)
     return {
         **head,
         "choices": [_render(ctx, c, o, with_logprobs, final=True) for c, o in zip(choices, outs)],
@@ -147,6 +144,7 @@ def _logprobs(ctx: ServerContext, c: _Choice, entries: list[TokenLogprob]) -> di
 
 async def _stream(
     ctx: ServerContext,
+    group: str | None,
     choices: list[_Choice],
     head: dict[str, Any],
     with_logprobs: bool,
@@ -154,13 +152,14 @@ async def _stream(
     prompt_tokens: int,
 ) -> AsyncIterator[str]:
     completion_tokens = 0
-    async for i, out in ctx.stream_all([c.greq for c in choices]):
-        c = choices[i]
-        completion_tokens += len(out.token_ids)
-        echo_pending = c.echo and (out.input_logprobs or not c.started)
-        if out.text or out.token_ids or out.finished or echo_pending:
-            choice = _render(ctx, c, out, with_logprobs, final=out.finished)
-            yield sse({**head, "choices": [choice]})
+    async with ctx.streaming(group, [c.greq for c in choices]) as deltas:
+        async for i, out in deltas:
+            c = choices[i]
+            completion_tokens += len(out.token_ids)
+            echo_pending = c.echo and (out.input_logprobs or not c.started)
+            if out.text or out.token_ids or out.finished or echo_pending:
+                choice = _render(ctx, c, out, with_logprobs, final=out.finished)
+                yield sse({**head, "choices": [choice]})
     if include_usage:
         yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
     yield sse("[DONE]")
