@@ -435,6 +435,28 @@ def test_concurrent_blocking_callers(engine: Engine) -> None:
         ({"token_ids_logprob": [10**6]}, "token_ids_logprob"),
         ({"input_ids": [1, 2, 10**6]}, "input_ids"),
         ({"input_ids": []}, "prompt"),
+        # Types are checked, never coerced.
+        ({"input_ids": [5, True]}, "input_ids"),
+        ({"input_ids": [5, [6]]}, "input_ids"),
+        ({"sampling_params": {"stop": {"a": 1}}}, "stop"),
+        ({"sampling_params": {"stop_token_ids": {"5": 1}}}, "stop_token_ids"),
+        ({"sampling_params": {"ignore_eos": "no"}}, "ignore_eos"),
+        ({"sampling_params": {"skip_special_tokens": 1}}, "skip_special_tokens"),
+        ({"sampling_params": {"logit_bias": {True: 1}}}, "logit_bias"),
+        ({"sampling_params": {"logit_bias": {" 5": 1}}}, "logit_bias"),
+        ({"sampling_params": {"top_k": 2.0}}, "top_k"),
+        ({"return_logprob": 1}, "return_logprob"),
+        ({"return_text_in_logprobs": "yes"}, "return_text_in_logprobs"),
+        # Ranges that torch would refuse inside a step.
+        ({"sampling_params": {"seed": 2**64}}, "seed"),
+        ({"sampling_params": {"seed": -(2**63) - 1}}, "seed"),
+        ({"sampling_params": {"repetition_penalty": 1e-300}}, "repetition_penalty"),
+        # Limits.
+        ({"sampling_params": {"stop": ["s"] * 33}}, "stop"),
+        ({"sampling_params": {"stop": "s" * 257}}, "stop"),
+        ({"token_ids_logprob": list(range(257))}, "token_ids_logprob"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
     ],
 )
 def test_invalid_input_raises_value_error_naming_the_field(engine: Engine, kwargs, field) -> None:
@@ -448,6 +470,31 @@ def test_invalid_input_raises_value_error_naming_the_field(engine: Engine, kwarg
         ]
         == 2
     )
+
+
+def test_text_that_is_not_utf8_is_a_value_error(engine: Engine) -> None:
+    lone = "a\ud800b"
+    for prompt in (lone, ["ok", lone]):
+        with pytest.raises(ValueError, match="prompt"):
+            engine.generate(prompt, {"max_new_tokens": 1})
+    with pytest.raises(ValueError, match="rid"):
+        engine.generate(input_ids=[5], sampling_params={"max_new_tokens": 1}, rid=lone)
+
+
+def test_edge_values_mean_what_they_say(engine: Engine) -> None:
+    """top_k past the vocabulary is no cut, a temperature too small to divide
+    by is greedy, a seed over the whole 64-bit range is taken mod 2**64."""
+    p = [5, 6, 7, 8]
+    sp = {"max_new_tokens": 8, "ignore_eos": True, "seed": 9}
+
+    def ids(**kw):
+        return engine.generate(input_ids=p, sampling_params={**sp, **kw})["output_ids"]
+
+    assert ids(top_k=2**70) == ids(top_k=-1)
+    assert ids(temperature=1e-30) == ids(temperature=0)
+    assert ids(seed=-1) == ids(seed=2**64 - 1)
+    two = engine.generate(input_ids=p, sampling_params={**sp, "seed": 2**64 - 1}, n=2)
+    assert [o["output_ids"] for o in two] == [ids(seed=2**64 - 1), ids(seed=0)]
 
 
 def test_repetition_penalty_greedy_equals_hf_generate(engine: Engine) -> None:

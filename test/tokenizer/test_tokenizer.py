@@ -53,3 +53,37 @@ def test_token_bytes_rebuild_text_even_across_split_characters(tok: Tokenizer) -
     ids = tok.encode(text, add_special_tokens=False)
     assert any("\ufffd" in tok.token_text(i) for i in ids)  # some tokens hold partial characters
     assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+
+
+def test_every_thread_has_its_own_tokenizer_and_they_agree() -> None:
+    """HF fast tokenizers fail ("Already borrowed") when a thread changes the
+    Rust tokenizer's settings while another uses it: threads never share one."""
+    import threading
+
+    tok = Tokenizer(model_path("qwen3"))
+    texts = [f"def f{i}(x):\n    return x * {i}\n" * (i % 5 + 1) for i in range(40)]
+    want = [tok.encode(t) for t in texts]
+    seen: dict[int, object] = {}
+    got: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            hf = tok.hf
+            seen[k] = hf
+            # What makes a shared tokenizer fail: changing its settings mid-use.
+            hf._tokenizer.enable_truncation(10_000)
+            hf._tokenizer.no_truncation()
+            got[k] = [tok.encode(t) for t in texts]
+            assert tok.decode(got[k][k]) == tok.decode(want[k])
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert all(g == want for g in got.values())
+    assert len({id(h) for h in seen.values()} | {id(tok.hf)}) == 9

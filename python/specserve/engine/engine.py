@@ -63,6 +63,7 @@ class Engine:
                 context_length=self.runner.context_length,
                 capacity_tokens=self.core.capacity_tokens,
                 max_top_logprobs=self.config.max_top_logprobs,
+                request=self.config.limits,
             ),
             self.grammar_backend,
         )
@@ -148,12 +149,12 @@ class Engine:
 
     def abort(self, rid: str, message: str | None = None) -> None:
         """Aborts a queued or running request; a no-op for unknown or finished ones."""
-        self._inbox.put(("abort", (rid, message)))
+        self._inbox.put(("abort", (rid, FinishReason("abort", message=message))))
         self._wakeup.set()
 
     def abort_all(self, message: str | None = None) -> None:
         """Aborts every queued and running request."""
-        self._inbox.put(("abort_all", message))
+        self._inbox.put(("abort_all", FinishReason("abort", message=message)))
         self._wakeup.set()
 
     def active_rids(self) -> list[str]:
@@ -173,7 +174,8 @@ class Engine:
         """One result dict per prompt (a list when the input is a list).
 
         Keyword arguments: ``input_ids``, ``return_logprob``, ``logprob_start_len``,
-        ``top_logprobs_num``, ``token_ids_logprob``, ``return_text_in_logprobs``, ``rid``.
+        ``top_logprobs_num``, ``token_ids_logprob``, ``return_text_in_logprobs``, ``rid``,
+        ``n`` (samples per prompt: a list of results, prompt by prompt).
         """
         greqs, batched = self.requests.build(prompt, sampling_params, **kwargs)
         collectors = [ResultCollector() for _ in greqs]
@@ -186,7 +188,7 @@ class Engine:
                 else:
                     self._pump()
         results = [self.format(g, c.as_output(g.rid)) for g, c in zip(greqs, collectors)]
-        return results if batched else results[0]
+        return results if batched or len(results) > 1 else results[0]  # n > 1: a list
 
     def format(self, greq: GenerateRequest, out: RequestOutput) -> dict[str, Any]:
         return format_output(greq, out, self.tokenizer.token_text)
@@ -198,7 +200,7 @@ class Engine:
     ) -> Any:
         greqs, batched = self.requests.build(prompt, sampling_params, **kwargs)
         results = await asyncio.gather(*(self._collect(g) for g in greqs))
-        return list(results) if batched else results[0]
+        return list(results) if batched or len(results) > 1 else results[0]
 
     async def _collect(self, greq: GenerateRequest) -> dict[str, Any]:
         col = ResultCollector()
@@ -212,8 +214,8 @@ class Engine:
         """Streams one prompt: each dict holds the new ``text`` / ``output_ids`` and
         a ``meta_info`` with running counts, the finish reason and the new logprobs."""
         greqs, batched = self.requests.build(prompt, sampling_params, **kwargs)
-        if batched:
-            raise ValueError("generate_stream takes a single prompt")
+        if len(greqs) > 1:
+            raise ValueError("generate_stream takes a single prompt (and n = 1)")
         async for out in self.stream(greqs[0]):
             yield self.format(greqs[0], out)
 
@@ -277,7 +279,7 @@ class Engine:
         reason = FinishReason("abort", message=message, status=500)
         with self._core_lock:
             try:
-                self._deliver(self._abort_all(message))
+                self._deliver(self._abort_all(reason))
             except Exception:
                 logger.exception("could not end the requests in flight")
             # Whatever is left (still in the inbox, or the core is beyond use)
@@ -375,10 +377,10 @@ class Engine:
         if out is not None:
             self._deliver([out])
 
-    def _abort_all(self, message: str | None) -> list[RequestOutput]:
+    def _abort_all(self, reason: FinishReason) -> list[RequestOutput]:
         sched = self.core.scheduler
         rids = [r.rid for r in [*sched.running, *sched.waiting]]
-        return [o for rid in rids if (o := self.core.abort(rid, message)) is not None]
+        return [o for rid in rids if (o := self.core.abort(rid, reason)) is not None]
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -393,7 +395,7 @@ class Engine:
                 if not out.finished:
                     with self._lock:
                         self._sinks.pop(out.rid, None)
-                    self.core.abort(out.rid, "consumer went away")
+                    self.core.abort(out.rid, FinishReason("abort", message="consumer went away"))
 
     def shutdown(self) -> None:
         """Stops the engine; requests still in flight finish with ``abort``."""
@@ -408,7 +410,9 @@ class Engine:
             thread.join(timeout=60)
         with self._core_lock:
             self._pump_commands_only()
-            self._deliver(self._abort_all("the engine was shut down"))
+            self._deliver(
+                self._abort_all(FinishReason("abort", message="the engine was shut down"))
+            )
 
     def _pump_commands_only(self) -> None:
         while True:

@@ -155,8 +155,8 @@ class EngineCore:
         self.scheduler.add(req)
         return None
 
-    def abort(self, rid: str, message: str | None = None) -> RequestOutput | None:
-        req = self.scheduler.abort(rid, message)
+    def abort(self, rid: str, reason: FinishReason | None = None) -> RequestOutput | None:
+        req = self.scheduler.abort(rid, reason)
         return self._delta(req) if req is not None else None
 
     def has_work(self) -> bool:
@@ -246,9 +246,8 @@ class EngineCore:
     def _fail(self, req: Req, error: Exception) -> None:
         """Ends ``req`` alone after ``error`` in its part of a step."""
         logger.error("request %s failed in an engine step", req.rid, exc_info=error)
-        if not req.finished:
-            self.scheduler.abort(req.rid)
-        req.finish(failure(error))
+        if self.scheduler.abort(req.rid, failure(error)) is None:
+            req.finish(failure(error))  # already out of the scheduler's hands
 
     def _sample(
         self, batch: ScheduledBatch, fwd: ForwardOutput

@@ -57,8 +57,9 @@ class Scheduler:
                 return req
         return None
 
-    def abort(self, rid: str, message: str | None = None) -> Req | None:
-        """Finishes ``rid`` with ``abort`` and frees what it held; None if unknown."""
+    def abort(self, rid: str, reason: FinishReason | None = None) -> Req | None:
+        """Finishes ``rid`` (with ``reason``, by default a plain ``abort``) and
+        frees what it held; None if unknown."""
         req = self.find(rid)
         if req is None:
             return None
@@ -67,7 +68,7 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         self._release(req)
-        req.finish(FinishReason("abort", message=message))
+        req.finish(reason or FinishReason("abort"))
         return req
 
     def schedule(self) -> ScheduledBatch | None:

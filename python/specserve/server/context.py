@@ -166,6 +166,8 @@ class ServerContext:
                     yield out
         except EngineStopped as e:  # shut down, or stopped on a device error
             raise APIError(str(e), None, 503, "server_error") from None
+        except ValueError as e:  # submission: a rid taken since build() checked it
+            raise from_value_error(e) from None
 
     async def stream_all(
         self, greqs: list[GenerateRequest]
