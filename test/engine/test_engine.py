@@ -472,6 +472,15 @@ def test_invalid_input_raises_value_error_naming_the_field(engine: Engine, kwarg
     )
 
 
+def test_building_an_engine_leaves_the_garbage_collector_alone() -> None:
+    """gc.freeze is the server's start-up business, not a library's."""
+    import gc
+
+    before = gc.get_freeze_count()
+    make_engine(max_total_tokens=256).shutdown()
+    assert gc.get_freeze_count() == before
+
+
 def test_text_that_is_not_utf8_is_a_value_error(engine: Engine) -> None:
     lone = "a\ud800b"
     for prompt in (lone, ["ok", lone]):

@@ -134,10 +134,23 @@ def test_a_request_that_cannot_be_admitted_fails_alone(engine, expected, monkeyp
     assert [o["output_ids"] for o in out[:-1]] == [o["output_ids"] for o in expected]
 
 
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory) -> str:
+    from specserve.tools.tiny_model import make_tiny_dspark
+
+    return make_tiny_dspark(str(tmp_path_factory.mktemp("drafter")), model_path("qwen3"))
+
+
 @pytest.mark.parametrize("after_tokens", [0, 3], ids=["first-round", "later-round"])
 @pytest.mark.parametrize("stage", ["propose", "verify"])
-def test_speculation_stages_fail_only_their_request(monkeypatch, stage, after_tokens) -> None:
-    eng = make_engine(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+@pytest.mark.parametrize("algorithm", ["NGRAM", "DSPARK"])
+def test_speculation_stages_fail_only_their_request(
+    drafter, monkeypatch, algorithm, stage, after_tokens
+) -> None:
+    if algorithm == "NGRAM":
+        eng = make_engine(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    else:
+        eng = make_engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter)
     try:
         expected = solo(eng)
         spec = eng.core.spec

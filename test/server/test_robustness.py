@@ -39,6 +39,19 @@ def server(tmp_path_factory):
         assert "Traceback" not in log and "never retrieved" not in log, log[-4000:]
 
 
+@pytest.fixture(scope="module")
+def spec_server(tmp_path_factory):
+    from specserve.tools.tiny_model import make_tiny_dspark
+
+    root = tmp_path_factory.mktemp("spec")
+    drafter = make_tiny_dspark(str(root / "drafter"), model_path("qwen3"))
+    flags = ("--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", drafter)
+    with running_server(model_path("qwen3"), *flags, *LIMITS, log_dir=str(root)) as s:
+        yield s
+        s.wait_idle()
+        assert "Traceback" not in s.log(), s.log()[-4000:]
+
+
 def raw(s: str) -> bytes:
     """A JSON body written by hand (lone surrogate escapes, NaN, huge numbers)."""
     return s.encode()
@@ -216,7 +229,9 @@ def streamed_text(server, body: dict, started: threading.Event | None = None) ->
     return "".join(text)
 
 
-def test_hostile_requests_beside_innocent_streams_leave_them_as_they_were(server) -> None:
+@pytest.mark.parametrize("which", ["plain", "DSPARK"])
+def test_hostile_requests_beside_innocent_streams_leave_them_as_they_were(request, which) -> None:
+    server = request.getfixturevalue("server" if which == "plain" else "spec_server")
     solo = [
         server.http.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in INNOCENT
     ]

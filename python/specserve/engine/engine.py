@@ -252,15 +252,10 @@ class Engine:
         the main thread noticeably faster than any other thread.
         """
         with self._core_lock:
-            while True:
-                try:
-                    cmd = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                self._handle(cmd)
-            if not self.core.has_work():
-                return
             try:
+                self._pump_commands_only()
+                if not self.core.has_work():
+                    return
                 outputs = self.core.step()  # a request's failure stays with it
             except Exception as e:  # the device, or the engine itself, is broken
                 self._stop_on_error(e)

@@ -173,7 +173,10 @@ class ServerContext:
         self, greqs: list[GenerateRequest]
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The deltas of several requests as they come, tagged with their index.
-        Leaving early (a client that disconnected) aborts every request."""
+        A request that failed in the engine ends them all with its error (an
+        ``APIError``: 400 for its own bad input, 500 for an internal error),
+        after its last delta. Leaving early (a client that disconnected, or
+        that error) aborts every request still running."""
         merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
         async def pump(i: int, greq: GenerateRequest) -> None:
@@ -198,6 +201,9 @@ class ServerContext:
                     raise item
                 else:
                     yield item
+                    failed = _failure(item[1])
+                    if failed is not None:
+                        raise failed
         finally:
             for t in tasks:
                 t.cancel()  # a request still running is aborted (Engine.stream)
@@ -206,20 +212,10 @@ class ServerContext:
     async def streaming(
         self, group: str | None, greqs: list[GenerateRequest]
     ) -> AsyncIterator[AsyncIterator[tuple[int, RequestOutput]]]:
-        """``stream_all`` for a streamed answer: a request that failed in the
-        engine ends the stream with an error event (after its last delta);
-        the group of ``claim`` is released at the end."""
-
-        async def deltas() -> AsyncIterator[tuple[int, RequestOutput]]:
-            async with aclosing(self.stream_all(greqs)) as items:
-                async for i, out in items:
-                    yield i, out
-                    failed = _failure(out) if out.finished else None
-                    if failed is not None:
-                        raise failed
-
+        """``stream_all`` for a streamed answer (see ``event_stream`` for its
+        errors); the group of ``claim`` is released at the end."""
         try:
-            async with aclosing(deltas()) as items:
+            async with aclosing(self.stream_all(greqs)) as items:
                 yield items
         finally:
             self.release(group)
@@ -245,20 +241,13 @@ class ServerContext:
 
     async def collect(self, greqs: list[GenerateRequest], request: Request) -> list[RequestOutput]:
         """Runs requests to completion; aborts them all if the client goes away.
-        A request that failed in the engine fails the whole answer (400 for
-        its own bad input, 500 for an internal error)."""
-        outs: list[RequestOutput | None] = [None] * len(greqs)
+        A request that failed in the engine fails the whole answer."""
         cols = [ResultCollector() for _ in greqs]
 
         async def run() -> None:
             async with aclosing(self.stream_all(greqs)) as deltas:
                 async for i, out in deltas:
                     cols[i].add(out)
-                    if out.finished:
-                        outs[i] = cols[i].as_output(greqs[i].rid)
-                        failed = _failure(out)
-                        if failed is not None:
-                            raise failed
 
         work = asyncio.create_task(run())
         watch = asyncio.create_task(_wait_disconnect(request))
@@ -268,7 +257,7 @@ class ServerContext:
                 logger.info("client disconnected; aborting %d request(s)", len(greqs))
                 raise APIError("client disconnected", status=499)
             work.result()
-            return outs  # type: ignore[return-value]
+            return [c.as_output(g.rid) for c, g in zip(cols, greqs)]
         finally:
             watch.cancel()
             if not work.done():
@@ -277,7 +266,7 @@ class ServerContext:
 
 def _failure(out: RequestOutput) -> APIError | None:
     reason = out.finish_reason
-    if reason is None or reason.status is None:
+    if not out.finished or reason is None or reason.status is None:
         return None
     kind = "invalid_request_error" if reason.status < 500 else "server_error"
     return APIError(reason.message or "the request failed", None, reason.status, kind)

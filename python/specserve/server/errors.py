@@ -75,8 +75,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def validation_error(errors: Sequence[Any]) -> APIError:
     """One 400 from pydantic's errors. A value that fits no branch of a union
-    yields one error per branch; the one that got furthest into the value
-    (deepest location, then highest index) says best what is wrong."""
+    yields errors for every branch; the one that got furthest into the value
+    (deepest location, then the branch with the fewest errors, then the
+    highest index) says best what is wrong."""
     if not errors:
         return APIError("invalid request")
     first = errors[0]
@@ -86,7 +87,14 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     if first.get("type") == "utf8":
         return APIError(first.get("msg", "invalid string"), ctx.get("param"))
     paths = [_field_path(err.get("loc", ())) for err in errors]
-    best = max(range(len(errors)), key=lambda i: (len(paths[i]), _last_index(paths[i]), -i))
+    # Errors per union branch: the branch with fewer errors is nearer the value.
+    branches = [_branch(err.get("loc", ())) for err in errors]
+    per_branch = {b: branches.count(b) for b in branches}
+
+    def rank(i: int) -> tuple[int, int, int, int]:
+        return (len(paths[i]), -per_branch[branches[i]], _last_index(paths[i]), -i)
+
+    best = max(range(len(errors)), key=rank)
     path = paths[best]
     where = ".".join(map(str, path)) or "request body"
     param = str(path[0]) if path else None
@@ -97,6 +105,14 @@ def _field_path(loc: Sequence[Any]) -> list[Any]:
     """The location without FastAPI's ``body`` prefix and pydantic's union
     branch tags (``str``, ``list[int]``, model names, ...)."""
     return [p for p in loc if p != "body" and not (isinstance(p, str) and _is_tag(p))]
+
+
+def _branch(loc: Sequence[Any]) -> tuple[Any, ...]:
+    """The location up to its first union branch tag (the branch it tried)."""
+    for i, p in enumerate(loc):
+        if isinstance(p, str) and p != "body" and _is_tag(p):
+            return tuple(loc[: i + 1])
+    return tuple(loc)
 
 
 def _is_tag(part: str) -> bool:

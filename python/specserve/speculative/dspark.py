@@ -145,13 +145,16 @@ class DSparkProposer(Proposer):
             pos = range(st.ctx_len, end)
             positions.extend(pos)
             slots.extend(st.pages[p // ps] * ps + p % ps for p in pos)
-            st.ctx_len, st.pending, st.pending_len = end, [], 0
         device = self.model.fc.weight.device
         features = torch.cat(feats).to(self.model.fc.weight.dtype)
         pos_t = torch.tensor(positions, device=device)
         slot_t = torch.tensor(slots, device=device)
         for layer, (k, v) in enumerate(self.model.context_kv(features, pos_t)):
             self.kv_pool.store(layer, slot_t, k, v)
+        # Only now, so that a step that fails above reruns this flush whole.
+        for r in todo:
+            st = r.draft_state
+            st.ctx_len, st.pending, st.pending_len = st.ctx_len + st.pending_len, [], 0
 
     def _gather_context(
         self, reqs: Sequence[Req]
