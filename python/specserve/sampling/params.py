@@ -11,15 +11,15 @@ from typing import Any
 
 from specserve.grammar.base import GrammarSpec
 
-# Temperatures this small sample greedily (SGLang and vLLM do the same):
-# dividing logits by them overflows float32.
+# Temperatures this small sample greedily: dividing logits by them overflows
+# float32 and the distribution turns into NaN.
 GREEDY_BELOW = 1e-5
 # Seeds: anything a client may mean by a 64-bit seed, signed or not, taken
 # modulo 2**64 (what torch generators accept).
 SEED_RANGE = (-(2**63), 2**64)
 SEED_MODULUS = 2**64
-# Beyond this range the penalised logits stop being finite numbers in float32
-# and the distribution turns into NaN.
+# Keeps penalised logits, even divided by a temperature of GREEDY_BELOW,
+# finite in float32 (a penalty of 1e-300 would not).
 REPETITION_PENALTY = (0.01, 100.0)
 
 
