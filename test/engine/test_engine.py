@@ -594,3 +594,26 @@ def test_bfloat16_on_cpu_stays_close_to_float32() -> None:
             assert lp == pytest.approx(float(ref[len(p) - 1 + j, tid]), abs=0.1)
     finally:
         eng.shutdown()
+
+
+def test_the_core_steps_with_the_engines_device_current() -> None:
+    from specserve.engine.engine import device_scope
+
+    assert device_scope(torch.device("cuda:1")).idx == 1  # torch.cuda.device(1)
+    with device_scope(torch.device("cpu")):
+        pass
+
+
+@pytest.mark.gpu
+def test_a_second_gpu_is_current_on_the_engine_thread() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    eng = make_engine(device="cuda:1", max_total_tokens=256)
+    try:
+        seen = []
+        step = eng.core.step
+        eng.core.step = lambda: (seen.append(torch.cuda.current_device()), step())[1]
+        eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
+        assert seen and set(seen) == {1}
+    finally:
+        eng.shutdown()

@@ -131,3 +131,31 @@ def test_transformers4_rope_layout_matches_hf(tmp_path) -> None:
         hidden, _ = ours(torch.tensor(prompt), meta, backend)
         got = ours.compute_logits(hidden)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_weights_are_materialized_in_the_target_dtype_only() -> None:
+    """No float32 copy of a bf16 model's weights ever exists (peak load memory
+    is the bf16 weights, not 1.5x or 2x of them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from specserve.models.decoder import DecoderForCausalLM
+    from specserve.models.loader import materialize
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dtypes: list[torch.dtype] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.device.type != "meta":
+                self.dtypes.append(out.dtype)
+            return out
+
+    cfg = ModelConfig.from_path(model_path("qwen3"))
+    with torch.device("meta"):
+        model = DecoderForCausalLM(cfg)
+    with Allocations() as seen:
+        model = materialize(model, torch.bfloat16, "cpu")
+    assert seen.dtypes and set(seen.dtypes) == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

@@ -24,6 +24,7 @@ class KVPool:
     ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
+        self.dtype = dtype
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -4,6 +4,7 @@ hands results back to blocking callers and asyncio streams alike."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import queue
@@ -11,6 +12,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+import torch
 
 from specserve.config import EngineConfig
 from specserve.engine.engine_core import EngineCore, RequestOutput
@@ -26,6 +29,15 @@ from specserve.tokenizer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 Sink = Callable[[RequestOutput], None]
+
+
+def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
+    """Makes ``device`` current while the core steps: Triton kernels (and
+    anything else that uses the current device) launch on ``cuda:N``, not on
+    ``cuda:0``, from whichever thread drives the engine."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 class EngineStopped(RuntimeError):
@@ -251,7 +263,7 @@ class Engine:
         Blocking callers step inline because torch's CPU thread pool serves
         the main thread noticeably faster than any other thread.
         """
-        with self._core_lock:
+        with self._core_lock, device_scope(self.runner.device):
             try:
                 self._pump_commands_only()
                 if not self.core.has_work():

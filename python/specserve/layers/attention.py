@@ -48,6 +48,14 @@ class AttentionBackend(ABC):
         """
 
 
+def padding_bias(past: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An additive mask (0, or -inf where ``past`` is set) in the queries'
+    dtype, on their device: SDPA refuses (or on cuDNN misreads) a bias whose
+    dtype differs from the query's."""
+    bias = torch.zeros(past.shape, dtype=dtype).masked_fill_(past, float("-inf"))
+    return bias.to(device, non_blocking=True)
+
+
 def page_tensor(page_table: list[int], length: int, page_size: int) -> list[int]:
     """The pages holding positions ``[0, length)``."""
     return page_table[: -(-length // page_size)]
@@ -111,8 +119,7 @@ class TorchAttentionBackend(AttentionBackend):
             padded = [t + [0] * (width - len(t)) for t in tables]
             single_pages = torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
             past = torch.arange(width * ps)[None, :] >= torch.tensor(lens)[:, None]  # [Bs, P * ps]
-            bias = torch.zeros(past.shape).masked_fill_(past, float("-inf"))
-            single_bias = bias.to(device, non_blocking=True)[:, None, None, :]
+            single_bias = padding_bias(past, self.kv_pool.dtype, device)[:, None, None, :]
             if len(single_ids) != len(meta.q_lens):
                 single_rows = torch.tensor([starts[i] for i in single_ids], device=device)
         plan = _TorchPlan(single_rows, single_pages, single_bias, multi)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -19,3 +20,33 @@ class MergedLinear(nn.Linear):
     def shard_view(self, param_name: str, shard: int) -> torch.Tensor:
         param = self.weight if param_name == "weight" else self.bias
         return param.data.narrow(0, self.offsets[shard], self.out_sizes[shard])
+
+
+class LogitsHead(nn.Linear):
+    """``lm_head``: float32 logits accumulated in float32, whatever the weight's
+    dtype. A bf16 matmul rounds its output to bf16 (about ±0.06 at typical
+    logit magnitudes), which no later ``.float()`` can undo; logprobs and the
+    sampler's distribution need the unrounded values.
+
+    CUDA: one GEMM with bf16/fp16 inputs and a float32 output. CPU (which has
+    no such GEMM): a float32 copy of the weight, made once.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self._fp32: torch.Tensor | None = None
+        self._fp32_of: tuple[int, int] | None = None  # (data_ptr, version) it copies
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., V] float32
+        w = self.weight
+        if w.dtype == torch.float32:
+            return F.linear(x.float(), w)
+        flat = x.reshape(-1, x.shape[-1])
+        if w.is_cuda:
+            out = torch.mm(flat, w.t(), out_dtype=torch.float32)
+        else:
+            key = (w.data_ptr(), w._version)
+            if self._fp32_of != key:
+                self._fp32, self._fp32_of = w.detach().float(), key
+            out = F.linear(flat.float(), self._fp32)
+        return out.view(*x.shape[:-1], w.shape[0])

@@ -13,7 +13,7 @@ from torch import nn
 from specserve.config import ModelConfig
 from specserve.layers.activation import gated_act, get_activation
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
-from specserve.layers.linear import MergedLinear
+from specserve.layers.linear import LogitsHead, MergedLinear
 from specserve.layers.norm import RMSNorm, rms_norm
 from specserve.layers.rotary import RotaryEmbedding
 
@@ -124,7 +124,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderBody(cfg, max_position or cfg.max_position_embeddings)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LogitsHead(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -152,5 +152,5 @@ class DecoderForCausalLM(nn.Module):
             layer.self_attn.post_load()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[R, d]`` -> float32 logits ``[R, V]``."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        """``[R, d]`` -> float32 logits ``[R, V]`` (accumulated in float32)."""
+        return self.lm_head(hidden)

@@ -53,15 +53,22 @@ def load_model(
     max_position: int | None = None,
 ) -> DecoderForCausalLM:
     cls = resolve_model_class(cfg.architecture)
-    # Build without initialising: every parameter is overwritten by the checkpoint.
+    # Build without initialising (every parameter is overwritten by the
+    # checkpoint), straight in the target dtype: no float32 copy ever exists.
     with torch.device("meta"):
         model = cls(cfg, max_position)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, dtype, device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, checkpoint_files(model_path))
     model.post_load()
     return model.requires_grad_(False).eval()
+
+
+def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """A model built on ``meta``, given uninitialised storage of ``dtype`` on
+    ``device`` (the cast happens on meta, where it costs nothing)."""
+    return model.to(dtype).to_empty(device=device)
 
 
 def load_weights(model: DecoderForCausalLM, files: list[str]) -> None:

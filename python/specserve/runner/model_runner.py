@@ -73,6 +73,8 @@ class ModelRunner:
             mc.num_hidden_layers, self.page_size, mc.num_key_value_heads, mc.head_dim, self.dtype
         )
         if self.device.type == "cuda":
+            # Blocks the allocator keeps cached (from loading) are free memory too.
+            torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * cache.mem_fraction_static
         else:

@@ -23,7 +23,8 @@ from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig
 from specserve.engine.batch import BatchEntry, ForwardMode, ScheduledBatch
 from specserve.engine.request import Req
-from specserve.models.loader import checkpoint_files, load_state
+from specserve.layers.attention import padding_bias
+from specserve.models.loader import checkpoint_files, load_state, materialize
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.base import DraftProposal, Proposer
 from specserve.speculative.confidence import SpsTable, budget_lengths, profile_sps, static_lengths
@@ -168,7 +169,7 @@ class DSparkProposer(Proposer):
         )
         lens = torch.tensor([r.draft_state.ctx_len for r in reqs])
         past = torch.arange(width * ps)[None, :] >= lens[:, None]
-        bias = torch.zeros(past.shape).masked_fill_(past, float("-inf")).to(device)
+        bias = padding_bias(past, self.kv_pool.dtype, device)  # [R, L]
         table = table.to(device)
         ctx = []
         for layer in range(len(self.model.layers)):
@@ -256,7 +257,7 @@ def load_draft_model(
             use_confidence=use_heads,
             context_length=runner.context_length,
         )
-    model = model.to_empty(device=runner.device).to(runner.dtype)
+    model = materialize(model, runner.dtype, runner.device)
     target = runner.model
     skip: set[str] = set()
     # The drafter's embedding and lm_head are copies of the target's: share them.

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig, RopeConfig, parse_rope
+from specserve.layers.linear import LogitsHead
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
 
@@ -230,7 +231,7 @@ class DSparkDraftModel(nn.Module):
         self.config = cfg
         d = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
-        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.lm_head = LogitsHead(d, cfg.vocab_size)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.num_hidden_layers)])
