@@ -2,7 +2,8 @@
 
 Cases: ``row_logprobs`` (top-k and gathered ids) on a bfloat16 and a float32
 logits block and on a smaller vocab, ``greedy_verify`` and ``rejection_verify``
-on chains of drafts. Outputs are checked against the reference first; then
+on chains of drafts, and paged attention (the Triton backend against the SDPA
+one, which gathers the pages it reads) for a decode batch over a long context. Outputs are checked against the reference first; then
 each side is timed (median over repeats, L2 flushed between them on CUDA) and
 the table gives ms per call, the speedup (reference / Triton), and for the
 kernels whose traffic is known the achieved GB/s and its share of the
@@ -41,6 +42,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gather", type=int, default=4, help="gathered ids per row (some padded)")
     p.add_argument("--chains", type=int, default=None, help="verify chains (default: 64; CPU 8)")
     p.add_argument("--drafts", type=int, default=8, help="drafts per chain")
+    p.add_argument(
+        "--attn-batch", type=int, default=None, help="decode requests (default: 64; CPU 2)"
+    )
+    p.add_argument(
+        "--attn-context", type=int, default=None, help="tokens of each (default: 4096; CPU 256)"
+    )
     p.add_argument("--repeats", type=int, default=None, help="timed calls (default: 50; CPU 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls (default: 5; CPU 1)")
     p.add_argument(
@@ -216,6 +223,52 @@ def rejection_case(args: argparse.Namespace, dev: torch.device) -> dict[str, Any
     }
 
 
+def attention_case(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
+    """Qwen3-8B's attention shape (32 query heads, 8 KV heads of 128), pages of
+    16, one layer: every request decodes one token over its whole context."""
+    from specserve.cache.kv_pool import KVPool
+    from specserve.layers.attention import (
+        AttentionMetadata,
+        TorchAttentionBackend,
+        TritonAttentionBackend,
+    )
+
+    b, ctx, h, hkv, d, ps = args.attn_batch, args.attn_context, 32, 8, 128, 16
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    pages_each = -(-ctx // ps)
+    pool = KVPool(1, b * pages_each, ps, hkv, d, dtype, dev)
+    g = torch.Generator(device=dev).manual_seed(args.seed)
+    pool.k[0].normal_(generator=g)
+    pool.v[0].normal_(generator=g)
+    tables = [list(range(i * pages_each, (i + 1) * pages_each)) for i in range(b)]
+    slots = torch.tensor([t[(ctx - 1) // ps] * ps + (ctx - 1) % ps for t in tables], device=dev)
+    meta = AttentionMetadata(
+        torch.full((b,), ctx - 1, device=dev), slots, [1] * b, [ctx] * b, tables, ps
+    )
+    q = torch.randn(b, h, d, generator=g, device=dev).to(dtype)
+    k = torch.randn(b, hkv, d, generator=g, device=dev).to(dtype)
+    v = torch.randn(b, hkv, d, generator=g, device=dev).to(dtype)
+    sdpa, paged = TorchAttentionBackend(pool), TritonAttentionBackend(pool, h)
+
+    def run(backend: Any) -> torch.Tensor:
+        backend.prepare(meta)
+        return backend.forward(0, q, k, v, meta)
+
+    def check() -> str | None:
+        err = (run(paged).float() - run(sdpa).float()).abs().max().item()
+        return None if err <= 2e-2 else f"max |difference| {err:.3g}"
+
+    return {
+        "kernel": "paged_attention",
+        "case": f"{b} x {ctx} decode",
+        "shape": f"32/8 heads x 128 {str(dtype).removeprefix('torch.')}",
+        "bytes": 2 * b * ctx * hkv * d * pool.k[0].element_size(),  # K and V, once
+        "ref": lambda: run(sdpa),
+        "triton": lambda: run(paged),
+        "check": check,
+    }
+
+
 # -------------------------------------------------------------------------------- main
 
 
@@ -233,6 +286,8 @@ def main() -> int:
         print("triton is not installed: timing the torch references only")
     args.rows = args.rows or (256 if on_cuda else 16)
     args.chains = args.chains or (64 if on_cuda else 8)
+    args.attn_batch = args.attn_batch or (64 if on_cuda else 2)
+    args.attn_context = args.attn_context or (4096 if on_cuda else 256)
     args.repeats = args.repeats or (50 if on_cuda else 5)
     args.warmup = args.warmup if args.warmup is not None else (5 if on_cuda else 1)
     if args.gather < 0 or not 0 <= args.top_k <= args.small_vocab:
@@ -250,6 +305,7 @@ def main() -> int:
         logprobs_case("small vocab", args.rows, args.small_vocab, first, args, dev),
         greedy_case(args, dev),
         rejection_case(args, dev),
+        attention_case(args, dev),
     ]
 
     rows, failed = [], []
@@ -286,8 +342,9 @@ def main() -> int:
             + f" {dash(r['gbps'], '7.1f')} {dash(r['peak_pct'], '6.1f')} {r['check'] or '-':>8}"
         )
     what = "Triton kernel's" if use_triton else "reference's"
-    print("GB/s: logits bytes read (row_logprobs: the block once; greedy: rows up to")
-    print(f"the first miss) / the {what} time")
+    print("GB/s: bytes read (row_logprobs: the logits block once; greedy: rows up to")
+    print(f"the first miss; attention: the K/V of every context once) / the {what} time;")
+    print("attention's ref is the SDPA backend")
     if args.output_json:
         meta = {"device": name, "peak_gbps": peak, "args": vars(args)}
         with open(args.output_json, "w") as f:

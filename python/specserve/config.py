@@ -287,6 +287,9 @@ class EngineConfig:
     max_top_logprobs: int = 20
     # "auto" picks Triton kernels for CUDA tensors and torch references elsewhere.
     kernel_backend: str = "auto"
+    # "triton" (paged kernel) or "torch_native" (SDPA over gathered pages);
+    # None: triton on CUDA, torch_native elsewhere.
+    attention_backend: str | None = None
     grammar_backend: str = "xgrammar"  # or "none"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -303,6 +306,10 @@ class EngineConfig:
         if self.kernel_backend not in ("auto", "triton", "torch"):
             raise ValueError(
                 f"kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}"
+            )
+        if self.attention_backend not in (None, "triton", "torch_native"):
+            raise ValueError(
+                f"attention_backend must be triton or torch_native, got {self.attention_backend!r}"
             )
         if self.grammar_backend not in ("xgrammar", "none"):
             raise ValueError(

@@ -3,6 +3,8 @@ between a Triton kernel and its torch reference."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -25,3 +27,9 @@ def use_triton(backend: str, t: torch.Tensor, kernel: str) -> bool:
     if backend not in BACKENDS:
         raise ValueError(f"unknown {kernel} backend {backend!r}; expected one of {BACKENDS}")
     return backend == "triton" or (backend == "auto" and t.is_cuda and HAS_TRITON)
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``,
+    the CPU test path), whose ``tl.dot`` misreads bf16/fp16 operands."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

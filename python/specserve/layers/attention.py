@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.cache.kv_pool import KVPool
+from specserve.kernels.dispatch import HAS_TRITON
+from specserve.kernels.paged_attention import PagedLayout, paged_attention_triton, plan_layout
 
 
 @dataclass
@@ -222,3 +224,48 @@ def _decode_attention(
     qg = q.reshape(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
     o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias)
     return o.reshape(b, h, d)  # [B, Hkv, G, D] -> [B, H, D]
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention read straight from the pool by one Triton kernel
+    (``kernels/paged_attention.py``): the default on CUDA."""
+
+    def __init__(self, kv_pool: KVPool, num_heads: int) -> None:
+        super().__init__(kv_pool)
+        kv_heads = kv_pool.k[0].shape[1] if kv_pool.k else 1
+        self.group = num_heads // kv_heads
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        meta.plan = plan_layout(
+            meta.q_lens,
+            meta.kv_lens,
+            meta.page_tables,
+            meta.page_size,
+            meta.positions.device,
+            self.group,
+        )
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        assert isinstance(meta.plan, PagedLayout), "prepare() must run before forward()"
+        self.kv_pool.store(layer, meta.slot_mapping, k, v)
+        return paged_attention_triton(q, self.kv_pool.k[layer], self.kv_pool.v[layer], meta.plan)
+
+
+ATTENTION_BACKENDS = ("triton", "torch_native")
+
+
+def make_attention_backend(
+    name: str | None, kv_pool: KVPool, num_heads: int, device: torch.device
+) -> AttentionBackend:
+    """``name`` None: Triton on CUDA (when installed), torch elsewhere."""
+    if name is None:
+        name = "triton" if device.type == "cuda" and HAS_TRITON else "torch_native"
+    if name == "triton":
+        if not HAS_TRITON:
+            raise ValueError("attention_backend: triton is not installed")
+        return TritonAttentionBackend(kv_pool, num_heads)
+    if name == "torch_native":
+        return TorchAttentionBackend(kv_pool)
+    raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")

@@ -12,7 +12,7 @@ import torch
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig, ModelConfig
 from specserve.engine.batch import ScheduledBatch
-from specserve.layers.attention import AttentionBackend, TorchAttentionBackend
+from specserve.layers.attention import AttentionBackend, make_attention_backend
 from specserve.models.loader import load_model
 from specserve.runner.input_builder import build_inputs
 
@@ -58,7 +58,9 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.attn_backend: AttentionBackend = TorchAttentionBackend(self.kv_pool)
+        self.attn_backend: AttentionBackend = make_attention_backend(
+            config.attention_backend, self.kv_pool, mc.num_attention_heads, self.device
+        )
 
     @property
     def vocab_size(self) -> int:

@@ -66,6 +66,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="auto: Triton kernels on CUDA tensors, torch references elsewhere",
     )
     g.add_argument(
+        "--attention-backend",
+        choices=("triton", "torch_native"),
+        default=None,
+        help="triton: paged-attention kernel (default on CUDA); "
+        "torch_native: SDPA over gathered pages (default elsewhere)",
+    )
+    g.add_argument(
         "--grammar-backend",
         choices=("xgrammar", "none"),
         default="xgrammar",
