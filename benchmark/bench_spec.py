@@ -77,6 +77,9 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="instead: where a DSPARK round's time goes at batch 1, against a plain step",
     )
+    p.add_argument(
+        "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, ..."
+    )
     p.add_argument("--output-json", default=None)
     return p.parse_args()
 
@@ -113,6 +116,7 @@ def main() -> int:
     dflash = args.dflash_model_path or drafter
     max_bs = max(args.batch_sizes)
     common = dict(
+        dtype=args.dtype,
         max_running_requests=max_bs,
         max_total_tokens=max_bs * (args.input_len + args.output_len + 64),
     )

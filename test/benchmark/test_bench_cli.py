@@ -38,3 +38,28 @@ def test_a_missing_server_is_named() -> None:
     assert done.returncode == 1
     assert f"cannot reach http://127.0.0.1:{port}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_gpu_check_is_well_formed_and_skips_without_cuda(tmp_path) -> None:
+    import torch
+
+    script = os.path.join(ROOT, "benchmark", "gpu_check.sh")
+    assert subprocess.run(["bash", "-n", script], timeout=30).returncode == 0
+    dry = subprocess.run(
+        ["bash", script, str(tmp_path / "dry"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert dry.returncode == 0, dry.stderr
+    stages = [line.split()[1] for line in dry.stdout.splitlines() if line.startswith("== ")]
+    assert stages == ["versions", "gpu-tests", "bench-kernels", "bench-spec"]
+    if torch.cuda.is_available():
+        return
+    # The real run, on a CPU machine: the gpu tests skip and nothing else runs.
+    done = subprocess.run(
+        ["bash", script, str(tmp_path / "out")], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "needs a CUDA device" in done.stdout and "benchmarks are left out" in done.stdout
+    assert os.path.isfile(tmp_path / "out" / "gpu_check.log")
