@@ -151,9 +151,15 @@ class CacheConfig:
     page_size: int = 16
     # Token capacity of the KV pool; None sizes it from ``mem_fraction_static``.
     max_total_tokens: int | None = None
-    # Share of device memory (CUDA: free memory after weights; CPU: available
-    # RAM) that the KV pool may take when ``max_total_tokens`` is unset.
-    mem_fraction_static: float = 0.5
+    # When ``max_total_tokens`` is unset. CUDA: the share of the device's
+    # whole memory that weights and KV take (SGLang's meaning; default 0.88).
+    # CPU: the share of the available RAM the KV pool takes (default 0.5).
+    mem_fraction_static: float | None = None
+
+    def fraction(self, device_type: str) -> float:
+        if self.mem_fraction_static is not None:
+            return self.mem_fraction_static
+        return 0.88 if device_type == "cuda" else 0.5
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -162,7 +168,7 @@ class CacheConfig:
             raise ValueError(
                 f"max_total_tokens must be >= page_size ({self.page_size}), got {self.max_total_tokens}"
             )
-        if not 0.0 < self.mem_fraction_static <= 1.0:
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}"
             )

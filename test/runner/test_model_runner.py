@@ -43,3 +43,54 @@ def test_bad_cache_settings_are_value_errors() -> None:
         runner(mem_fraction_static=1.5)
     with pytest.raises(ValueError, match="unknown engine argument 'bogus'"):
         runner(bogus=1)
+
+
+def test_cuda_budget_is_sglangs_static_share_of_the_whole_device() -> None:
+    from specserve.runner.model_runner import cuda_kv_budget
+
+    gib = 2**30
+    # 100 GiB device, 40 in use (weights, context): 0.9 x 100 - 40 = 50 for KV,
+    # unless the activation reserve does not fit beside it.
+    assert cuda_kv_budget(100 * gib, 60 * gib, 0.9, 5 * gib) == 50 * gib
+    assert cuda_kv_budget(100 * gib, 60 * gib, 0.9, 20 * gib) == 40 * gib
+    assert cuda_kv_budget(100 * gib, 60 * gib, 0.3, 0) == 0  # weights exceed the share
+
+
+def test_activation_reserve_grows_with_what_one_step_can_carry() -> None:
+    from specserve.config import ModelConfig
+    from specserve.runner.model_runner import activation_bytes
+
+    mc = ModelConfig.from_path(model_path("qwen3"))
+
+    def reserve(**kw) -> int:
+        return activation_bytes(EngineConfig.from_kwargs(model_path("qwen3"), **kw), mc, 4096)
+
+    assert reserve(max_running_requests=64) > reserve(max_running_requests=8)
+    assert reserve(chunked_prefill_size=8192) > reserve(chunked_prefill_size=512)
+    assert reserve(attention_backend="torch_native") > reserve(attention_backend="triton")
+
+
+def test_every_model_is_loaded_before_the_kv_pools_are_sized(tmp_path, monkeypatch) -> None:
+    from specserve import Engine
+    from specserve.speculative import dspark
+    from specserve.tools.tiny_model import make_tiny_dspark
+
+    drafter = make_tiny_dspark(str(tmp_path / "d"), model_path("qwen3"))
+    events: list[str] = []
+    load, size = dspark.load_draft_model, ModelRunner._kv_capacity_pages
+    monkeypatch.setattr(
+        dspark, "load_draft_model", lambda *a, **k: (events.append("drafter"), load(*a, **k))[1]
+    )
+    monkeypatch.setattr(
+        ModelRunner,
+        "_kv_capacity_pages",
+        lambda self, *a: (events.append("size"), size(self, *a))[1],
+    )
+    eng = Engine(
+        model_path=model_path("qwen3"),
+        device="cpu",
+        speculative_algorithm="DSPARK",
+        speculative_draft_model_path=drafter,
+    )
+    eng.shutdown()
+    assert events == ["drafter", "size"]

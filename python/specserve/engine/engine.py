@@ -23,7 +23,7 @@ from specserve.engine.result import ResultCollector, format_output
 from specserve.grammar.base import GrammarBackend
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.base import Proposer
-from specserve.speculative.factory import build_proposer, draft_kv_bytes_per_page
+from specserve.speculative.factory import build_proposer, draft_kv_bytes_per_page, load_drafter
 from specserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,10 +59,15 @@ class Engine:
             raise ValueError(f"model_path: {model_path!r} is not a directory")
         self.config = EngineConfig.from_kwargs(model_path, **engine_args)
         self.tokenizer = Tokenizer(self.config.tokenizer_path or model_path)
-        self.runner = ModelRunner(
-            self.config, extra_kv_bytes_per_page=draft_kv_bytes_per_page(self.config)
+        # Every model loads before the KV pools are sized: all their weights,
+        # and the largest step's activations, come off the memory budget.
+        self.runner = ModelRunner(self.config, allocate_kv=False)
+        drafter = load_drafter(self.config, self.runner) if proposer is None else None
+        self.runner.allocate_kv(
+            draft_kv_bytes_per_page(self.config),
+            drafter.activation_bytes if drafter is not None else 0,
         )
-        self.proposer = proposer or build_proposer(self.config, self.runner)
+        self.proposer = proposer or build_proposer(self.config, self.runner, drafter)
         self.core = EngineCore(self.config, self.runner, self.tokenizer, self.proposer)
         mc = self.runner.model_config
         self.eos_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids

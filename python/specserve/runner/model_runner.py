@@ -33,9 +33,12 @@ class ModelRunner:
         config: EngineConfig,
         model_config: ModelConfig | None = None,
         extra_kv_bytes_per_page: int = 0,
+        allocate_kv: bool = True,
     ) -> None:
         """``extra_kv_bytes_per_page``: what a page costs elsewhere (a drafter's
-        KV pool of the same page count), counted in the memory budget."""
+        KV pool of the same page count), counted in the memory budget. With
+        ``allocate_kv`` False only the model loads; ``allocate_kv()`` sizes
+        the pool later, once every other model is loaded too."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
@@ -47,8 +50,15 @@ class ModelRunner:
         )
         self.load_seconds = time.perf_counter() - start
         self.page_size = config.cache.page_size
-        self.num_pages = self._kv_capacity_pages(extra_kv_bytes_per_page)
+        if allocate_kv:
+            self.allocate_kv(extra_kv_bytes_per_page)
+
+    def allocate_kv(self, extra_bytes_per_page: int = 0, reserve_bytes: int = 0) -> None:
+        """Sizes and allocates the KV pool. ``reserve_bytes``: memory left free
+        for the activations of the largest step (besides this model's own)."""
         mc = self.model_config
+        reserve = reserve_bytes + activation_bytes(self.config, mc, self.context_length)
+        self.num_pages = self._kv_capacity_pages(extra_bytes_per_page, reserve)
         self.kv_pool = KVPool(
             mc.num_hidden_layers,
             self.num_pages,
@@ -59,14 +69,14 @@ class ModelRunner:
             self.device,
         )
         self.attn_backend: AttentionBackend = make_attention_backend(
-            config.attention_backend, self.kv_pool, mc.num_attention_heads, self.device
+            self.config.attention_backend, self.kv_pool, mc.num_attention_heads, self.device
         )
 
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    def _kv_capacity_pages(self, extra_bytes_per_page: int) -> int:
+    def _kv_capacity_pages(self, extra_bytes_per_page: int, reserve_bytes: int) -> int:
         cache = self.config.cache
         if cache.max_total_tokens is not None:
             return cache.max_total_tokens // self.page_size
@@ -77,18 +87,20 @@ class ModelRunner:
         if self.device.type == "cuda":
             # Blocks the allocator keeps cached (from loading) are free memory too.
             torch.cuda.empty_cache()
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * cache.mem_fraction_static
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = cuda_kv_budget(total, free, cache.fraction("cuda"), reserve_bytes)
         else:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = available * cache.mem_fraction_static
+            budget = available * cache.fraction("cpu")
             # More than every running request at full context is never used.
             most = self.config.scheduler.max_running_requests * self.context_length
             budget = min(budget, -(-most // self.page_size) * per_page)
         pages = int(budget // per_page)
         if pages < 1:
             raise ValueError(
-                "not enough memory for a single KV page; lower the model size or dtype"
+                "mem_fraction_static: no memory left for a single KV page after the weights "
+                "and the activation reserve; raise it, or lower the model size, dtype, "
+                "max_running_requests or chunked_prefill_size"
             )
         return pages
 
@@ -105,3 +117,40 @@ class ModelRunner:
             offsets.append(offsets[-1] + len(e.logit_rows))
         cap = torch.cat(captured, dim=-1) if captured else None
         return ForwardOutput(logits=logits, row_offsets=offsets, captured=cap)
+
+
+def cuda_kv_budget(total: int, free: int, fraction: float, reserve: int) -> float:
+    """Bytes for KV on a GPU, as SGLang means ``mem_fraction_static``: the share
+    of the device's whole memory that weights and KV (the static part)
+    take. What is in use now (every model's weights, the CUDA context) comes
+    off it, and so does the reserve for the largest step's activations,
+    which must also fit in what is left outside the static share."""
+    static_left = total * fraction - (total - free)
+    return max(0.0, min(static_left, free - reserve))
+
+
+def activation_bytes(config: EngineConfig, mc: ModelConfig, context_length: int) -> int:
+    """An upper estimate of the target's activations in the largest step: the
+    most tokens one forward can carry (a prefill chunk with every decode
+    riding along, or every request verifying a whole chain), their hidden
+    states and MLP, and their float32 logits with the copies the sampler,
+    the verifier and the scorer make."""
+    sched, spec = config.scheduler, config.spec
+    # A verify chain: the anchor and its drafts (an unknown block size: 16).
+    chain = 1 if not spec.enabled else spec.num_draft_tokens or (spec.block_size or 16) + 1
+    tokens = max(
+        sched.chunked_prefill_size + sched.max_running_requests,
+        sched.max_running_requests * chain,
+    )
+    elem = torch.empty((), dtype=config.torch_dtype).element_size()
+    qkv = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
+    per_token = elem * (6 * mc.hidden_size + 3 * mc.intermediate_size + 2 * qkv)
+    logits = 4 * 4 * mc.vocab_size  # float32: logits, processed, probabilities, scoring
+    attention = 0
+    if config.attention_backend == "torch_native":
+        # That backend gathers each request's pages (one layer at a time).
+        attention = (
+            2 * sched.max_running_requests * context_length
+            * mc.num_key_value_heads * mc.head_dim * elem
+        )  # fmt: skip
+    return int(1.25 * (tokens * (per_token + logits) + attention))

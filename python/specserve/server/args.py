@@ -86,8 +86,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--mem-fraction-static",
         type=float,
-        default=CacheConfig.mem_fraction_static,
-        help="share of free memory for the KV cache when --max-total-tokens is unset",
+        default=None,
+        help="when --max-total-tokens is unset: CUDA, the share of the device's memory for "
+        "weights + KV (default 0.88); CPU, the share of available RAM for KV (default 0.5)",
     )
     s = parser.add_argument_group("scheduler")
     s.add_argument("--max-running-requests", type=int, default=SchedulerConfig.max_running_requests)

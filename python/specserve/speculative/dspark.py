@@ -34,6 +34,14 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class LoadedDrafter:
+    model: DSparkDraftModel
+    config: DSparkConfig
+    block_size: int
+    activation_bytes: int  # its share of the largest step (see ModelRunner.allocate_kv)
+
+
+@dataclass
 class DSparkState:
     pages: list[int] = field(default_factory=list)
     ctx_len: int = 0  # positions whose context K/V are cached
@@ -66,7 +74,9 @@ class DSparkProposer(Proposer):
     # ---- construction ----------------------------------------------------------
 
     @classmethod
-    def from_config(cls, config: EngineConfig, runner: ModelRunner) -> DSparkProposer:
+    def load(cls, config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
+        """The drafter's weights, checked against the target, before the KV
+        pools are sized (they count in the memory budget like the target's)."""
         spec = config.spec
         assert spec.draft_model_path is not None
         dcfg = DSparkConfig.from_path(spec.draft_model_path)
@@ -91,6 +101,17 @@ class DSparkProposer(Proposer):
             )
         dflash = spec.algorithm == "DFLASH"
         model = load_draft_model(spec.draft_model_path, dcfg, runner, use_heads=not dflash)
+        return LoadedDrafter(model, dcfg, block, _activation_bytes(config, dcfg, block, runner))
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, runner: ModelRunner, loaded: LoadedDrafter | None = None
+    ) -> DSparkProposer:
+        """The proposer over ``runner``'s allocated pool size; ``loaded``: the
+        drafter ``load`` returned (loaded now if not given)."""
+        spec = config.spec
+        loaded = loaded or cls.load(config, runner)
+        model, dcfg, block = loaded.model, loaded.config, loaded.block_size
         kv = KVPool(
             dcfg.num_hidden_layers, runner.num_pages, runner.page_size,
             dcfg.num_key_value_heads, dcfg.head_dim, runner.dtype, runner.device,
@@ -271,6 +292,19 @@ def load_draft_model(
         model, checkpoint_files(path), f"{dcfg.num_hidden_layers}-layer DSpark drafter", skip
     )
     return model.requires_grad_(False).eval()
+
+
+def _activation_bytes(
+    config: EngineConfig, dcfg: DSparkConfig, block: int, runner: ModelRunner
+) -> int:
+    """An upper estimate of a drafting step: every running request's block
+    logits (float32, with the probabilities and the Markov-corrected copies)
+    and its context K/V gathered for one draft layer at full context."""
+    r = config.scheduler.max_running_requests
+    elem = torch.empty((), dtype=runner.dtype).element_size()
+    logits = r * block * dcfg.vocab_size * 4 * 4
+    context = 2 * r * runner.context_length * dcfg.num_key_value_heads * dcfg.head_dim * elem
+    return int(1.25 * (logits + context))
 
 
 def profile_runner(runner: ModelRunner, block: int, max_running: int) -> SpsTable:

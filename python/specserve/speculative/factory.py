@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig, SpecConfig
@@ -58,7 +59,20 @@ def draft_kv_bytes_per_page(config: EngineConfig) -> int:
     )
 
 
-def build_proposer(config: EngineConfig, runner: ModelRunner) -> Proposer | None:
+def load_drafter(config: EngineConfig, runner: ModelRunner) -> Any:
+    """The drafter network's weights (DSpark / DFlash), loaded before the KV
+    pools are sized; None for algorithms without one."""
+    if config.spec.algorithm not in ("DSPARK", "DFLASH"):
+        return None
+    from specserve.speculative.dspark import DSparkProposer
+
+    return DSparkProposer.load(config, runner)
+
+
+def build_proposer(
+    config: EngineConfig, runner: ModelRunner, drafter: Any = None
+) -> Proposer | None:
+    """``drafter``: what ``load_drafter`` returned (loaded now if None)."""
     spec = config.spec
     warn_unused(spec)
     if not spec.enabled:
@@ -70,4 +84,4 @@ def build_proposer(config: EngineConfig, runner: ModelRunner) -> Proposer | None
         return NgramProposer(chain - 1, spec.ngram_max_match, spec.ngram_min_match)
     from specserve.speculative.dspark import DSparkProposer
 
-    return DSparkProposer.from_config(config, runner)
+    return DSparkProposer.from_config(config, runner, drafter)
