@@ -9,8 +9,9 @@ import torch
 
 from models_zoo import model_path
 from specserve.engine.batch import ReqStep
-from specserve.engine.output_processor import OutputProcessor, RunCommit
+from specserve.engine.output_processor import OutputProcessor, PendingRuns
 from specserve.engine.request import LogprobOptions, Req
+from specserve.host import HostStaging
 from specserve.sampling.params import SamplingParams
 from specserve.tokenizer.tokenizer import Tokenizer
 
@@ -35,10 +36,14 @@ def make(tok: Tokenizer, text_run: str | None = None, eos=frozenset({2}), **sp) 
 
 
 def commit(proc: OutputProcessor, req: Req, run: list[int], logits: torch.Tensor) -> None:
+    """Scores and commits ``run`` as the engine does: on the device, one fetch."""
     step = ReqStep(req, req.prompt_len, 0, True)
-    commit_run = RunCommit(0, run, list(range(len(run))))
-    (scores,) = proc.score([step], [0, len(run)], [commit_run], logits)
-    proc.commit(step, commit_run, scores)
+    pending = PendingRuns([0], [list(range(len(run)))], torch.tensor(run))
+    scores = proc.score([step], [0, len(run)], [pending], logits)
+    host = HostStaging("cpu").fetch(pending.tensors() + scores.tensors())
+    (commit_run,) = pending.commits(host[0], host[1])
+    (step_scores,) = scores.finish(host[2:], host[0])
+    proc.commit(step, commit_run, step_scores)
 
 
 def words(tok: Tokenizer, text: str) -> list[int]:

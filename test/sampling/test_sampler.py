@@ -57,7 +57,7 @@ def test_draws_follow_the_filtered_distribution() -> None:
     sampler = Sampler(torch.device("cpu"), seed=0)
     for sp in (SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=3)):
         out = sampler.sample(logits.repeat(n, 1), [controls(sp)] * n, [None] * n)
-        freq = torch.bincount(torch.tensor(out.token_ids), minlength=6).float() / n
+        freq = torch.bincount(out.token_ids, minlength=6).float() / n
         target = torch.softmax(logits / sp.temperature, dim=-1)
         if sp.top_k > 0:
             target = filter_ref(target, sp)

@@ -15,10 +15,16 @@ import torch
 from specserve.cache.block_pool import BlockPool
 from specserve.config import EngineConfig
 from specserve.engine.batch import ScheduledBatch
-from specserve.engine.output_processor import OutputProcessor, RunCommit, StepScores
+from specserve.engine.output_processor import (
+    OutputProcessor,
+    PendingRuns,
+    RunCommit,
+    StepScores,
+)
 from specserve.engine.request import FinishReason, Req, ReqStatus
 from specserve.engine.scheduler import Scheduler
 from specserve.grammar.bitmask import allocate_bitmask
+from specserve.host import HostStaging
 from specserve.runner.model_runner import ForwardOutput, ModelRunner
 from specserve.sampling.logprobs import TokenLogprob
 from specserve.sampling.penalties import PenaltyState, RowControls, apply_logit_bias
@@ -125,6 +131,7 @@ class EngineCore:
             else None
         )
         self.sampler = Sampler(runner.device, config.random_seed)
+        self.staging = HostStaging(runner.device)
         self.output_processor = OutputProcessor(
             tokenizer, config.logprobs_mode, runner.context_length, config.kernel_backend
         )
@@ -208,21 +215,30 @@ class EngineCore:
 
     def _compute(self, batch: ScheduledBatch) -> _Computed:
         """Drafting, the forward, sampling or verification, and the scores of
-        every row that may commit: batched, and without committing anything."""
+        every row that may commit: batched, and without committing anything.
+        The device is read back once here (and once by a drafting proposer)."""
         if self.spec is not None:
             batch = self.spec.prepare(batch)
         fwd = self.runner.forward(batch)
-        runs, processed = self._sample(batch, fwd)
+        sampled, processed = self._sample(batch, fwd)
+        pending = [sampled] if sampled is not None else []
         if self.spec is not None:
-            spec_runs, spec_processed = self.spec.verify(batch, fwd, self.sampler.generator)
-            runs += spec_runs
+            verified, spec_processed = self.spec.verify(batch, fwd, self.sampler.generator)
+            pending += [verified] if verified is not None else []
             processed += spec_processed
-        by_step: list[RunCommit | None] = [None] * len(batch.steps)
-        for run in runs:
-            by_step[run.step] = run
         scoring = self._scoring_logits(batch, fwd, processed)
-        scores = self.output_processor.score(batch.steps, fwd.row_offsets, by_step, scoring)
-        return _Computed(batch, fwd, by_step, scores)
+        scores = self.output_processor.score(batch.steps, fwd.row_offsets, pending, scoring)
+        # The step's one read back: every run's tokens (and accept lengths), the scores.
+        host = self.staging.fetch([t for g in pending for t in g.tensors()] + scores.tensors())
+        by_step: list[RunCommit | None] = [None] * len(batch.steps)
+        candidates: list[int] = []
+        for k, group in enumerate(pending):
+            tokens, accept = host[2 * k], host[2 * k + 1]
+            candidates += tokens
+            for run in group.commits(tokens, accept):
+                by_step[run.step] = run
+        step_scores = scores.finish(host[2 * len(pending) :], candidates)
+        return _Computed(batch, fwd, by_step, step_scores)
 
     def _commit(self, c: _Computed) -> None:
         """Each request takes its share of the computed step on its own."""
@@ -251,22 +267,21 @@ class EngineCore:
 
     def _sample(
         self, batch: ScheduledBatch, fwd: ForwardOutput
-    ) -> tuple[list[RunCommit], list[tuple[list[int], torch.Tensor]]]:
-        """One token per plain sampling step: the runs, and the processed rows
-        they were drawn from (for processed-mode logprobs)."""
+    ) -> tuple[PendingRuns | None, list[tuple[list[int], torch.Tensor]]]:
+        """One token per plain sampling step (on the device), and the
+        processed rows they were drawn from (for processed-mode logprobs)."""
         sample_steps = [i for i, s in enumerate(batch.steps) if s.sample and not s.verify]
         if not sample_steps:
-            return [], []
+            return None, []
         rows = [fwd.row_offsets[i + 1] - 1 for i in sample_steps]
         reqs = [batch.steps[i].req for i in sample_steps]
         controls = [self._controls(r) for r in reqs]
         out = self.sampler.sample(
             fwd.logits[rows], controls, [r.generator for r in reqs], self._grammar_mask(reqs)
         )
-        runs = [
-            RunCommit(i, [tok], [row]) for i, tok, row in zip(sample_steps, out.token_ids, rows)
+        return PendingRuns(sample_steps, [[r] for r in rows], out.token_ids), [
+            (rows, out.processed_logits)
         ]
-        return runs, [(rows, out.processed_logits)]
 
     def _grammar_mask(self, reqs: list[Req]) -> tuple[torch.Tensor, list[int]] | None:
         constrained = [j for j, r in enumerate(reqs) if r.grammar is not None]

@@ -19,7 +19,14 @@ import torch
 from specserve.engine.batch import ReqStep
 from specserve.engine.request import FinishReason, Req
 from specserve.grammar.bitmask import advance_committed
-from specserve.sampling.logprobs import RowQuery, TokenLogprob, score_rows
+from specserve.kernels.logprobs import RowLogprobs
+from specserve.sampling.logprobs import (
+    RowQuery,
+    TokenLogprob,
+    entries_from_host,
+    score_rows_device,
+    scored_tensors,
+)
 from specserve.tokenizer.detokenizer import Decoder, DetokState, detok_flush, detok_step
 
 
@@ -30,6 +37,61 @@ class RunCommit:
     step: int  # index into the batch's steps
     token_ids: list[int]
     rows: list[int]  # row of each token in the scoring logits
+
+
+@dataclass
+class PendingRuns:
+    """Runs whose tokens are still on the device (sampled or verified in this
+    step): each run's candidate tokens and their scoring rows; a run commits
+    all of its candidates, or with ``accept`` its first ``accept + 1``."""
+
+    steps: list[int]  # the batch step of each run
+    rows: list[list[int]]  # scoring row of each candidate, per run
+    tokens: torch.Tensor  # [sum(len(rows))] int64 candidates, run after run
+    accept: torch.Tensor | None = None  # [runs] accepted drafts of each chain
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """What the step's fetch copies of these runs."""
+        return [self.tokens, self.accept]
+
+    def commits(self, tokens: list[int], accept: list[int] | None) -> list[RunCommit]:
+        """The runs, from the fetched ``tensors``."""
+        out, at = [], 0
+        for k, (step, rows) in enumerate(zip(self.steps, self.rows)):
+            n = len(rows) if accept is None else accept[k] + 1
+            out.append(RunCommit(step, tokens[at : at + n], rows[:n]))
+            at += len(rows)
+        return out
+
+
+@dataclass
+class PendingScores:
+    """A step's scores on the device (``score``), turned into each step's
+    ``StepScores`` once fetched (``finish``)."""
+
+    queries: list[RowQuery]
+    counts: list[tuple[int, int]]  # (prompt rows, run candidates) per step
+    source: list[int]  # per candidate query: its index among the runs' candidates
+    out: RowLogprobs | None
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return scored_tensors(self.out)
+
+    def finish(self, host: list, candidates: list[int]) -> list[StepScores]:
+        """``host``: the fetched ``tensors``; ``candidates``: every run's
+        candidate tokens on the host, in ``PendingRuns`` order."""
+        picked = iter(self.source)
+        tokens = [
+            q.token_id if q.token_id is not None else candidates[next(picked)] for q in self.queries
+        ]
+        scored = entries_from_host(self.queries, host, tokens)
+        out, at = [], 0
+        for num_in, num_run in self.counts:
+            out.append(
+                StepScores(scored[at : at + num_in], scored[at + num_in : at + num_in + num_run])
+            )
+            at += num_in + num_run
+        return out
 
 
 @dataclass
@@ -70,33 +132,41 @@ class OutputProcessor:
         self,
         steps: Sequence[ReqStep],
         row_offsets: Sequence[int],
-        runs: Sequence[RunCommit | None],
+        pending: Sequence[PendingRuns],
         scoring_logits: torch.Tensor,  # [R, V] float32
-    ) -> list[StepScores]:
-        """The logprobs of every row a step may commit, per step, in one kernel
-        call; nothing is committed yet (a failed step can be rerun). A run's
-        tokens are all scored: those past a stop are dropped at commit."""
+    ) -> PendingScores:
+        """Scores every row a step may commit, in one kernel call on the
+        device; nothing is committed or read back yet (a failed step can be
+        rerun). A run's candidates are all scored: those that do not commit
+        (rejected drafts, tokens past a stop) are dropped at commit."""
+        run_of: dict[int, tuple[int, list[int]]] = {}  # step -> (first candidate, rows)
+        at = 0
+        for group in pending:
+            for step, rows in zip(group.steps, group.rows):
+                run_of[step] = (at, rows)
+                at += len(rows)
         queries: list[RowQuery] = []
-        counts: list[tuple[int, int]] = []  # (input rows, run tokens) per step
-        for i, (step, run) in enumerate(zip(steps, runs)):
+        counts: list[tuple[int, int]] = []
+        source: list[int] = []
+        for i, step in enumerate(steps):
             req = step.req
             for j in range(step.num_input_logprob_rows):
                 token = req.token_at(step.input_logprob_start + j)
                 queries.append(self._query(req, row_offsets[i] + j, token))
-            num_run = len(run.token_ids) if run is not None and req.logprob.return_logprob else 0
-            if num_run:
-                queries.extend(
-                    self._query(req, row, tok) for row, tok in zip(run.rows, run.token_ids)
-                )
+            num_run = 0
+            if i in run_of and req.logprob.return_logprob:
+                first, rows = run_of[i]
+                queries.extend(self._query(req, row, None) for row in rows)
+                source.extend(range(first, first + len(rows)))
+                num_run = len(rows)
             counts.append((step.num_input_logprob_rows, num_run))
-        scored = score_rows(scoring_logits, queries, self.kernel_backend)
-        out, at = [], 0
-        for num_in, num_run in counts:
-            out.append(
-                StepScores(scored[at : at + num_in], scored[at + num_in : at + num_in + num_run])
-            )
-            at += num_in + num_run
-        return out
+        device_tokens = None
+        if source:
+            candidates = torch.cat([g.tokens for g in pending])
+            index = torch.tensor(source, dtype=torch.int64).to(candidates.device, non_blocking=True)
+            device_tokens = candidates[index]
+        out = score_rows_device(scoring_logits, queries, device_tokens, self.kernel_backend)
+        return PendingScores(queries, counts, source, out)
 
     def commit(self, step: ReqStep, run: RunCommit | None, scores: StepScores) -> None:
         """Commits one request's part of a step: its prompt logprobs, then its
@@ -117,7 +187,7 @@ class OutputProcessor:
         logprobs = scores.run[: scan.num_tokens] if req.logprob.return_logprob else None
         req.append_run(tokens[: scan.num_tokens], scan.text, scan.detok, logprobs, scan.finish)
 
-    def _query(self, req: Req, row: int, token: int) -> RowQuery:
+    def _query(self, req: Req, row: int, token: int | None) -> RowQuery:
         opts = req.logprob
         return RowQuery(
             row, token, self.temperature(req), opts.top_logprobs_num, opts.token_ids_logprob

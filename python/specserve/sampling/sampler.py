@@ -13,7 +13,7 @@ from specserve.sampling.penalties import RowControls, process_logits
 
 @dataclass
 class SampleOutput:
-    token_ids: list[int]
+    token_ids: torch.Tensor  # [N] int64, on the logits' device (read with the step's fetch)
     # Logits after bias, penalties and min-token suppression, before temperature:
     # what ``--logprobs-mode processed`` scores (the kernel applies temperature).
     processed_logits: torch.Tensor  # [N, V] float32
@@ -49,7 +49,7 @@ class Sampler:
             tokens[sampled] = self._draw(
                 x[sampled], [rows[i] for i in sampled], [generators[i] for i in sampled]
             )
-        return SampleOutput(token_ids=tokens.tolist(), processed_logits=x)
+        return SampleOutput(token_ids=tokens, processed_logits=x)
 
     def _draw(
         self,

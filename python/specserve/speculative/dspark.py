@@ -23,6 +23,7 @@ from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig
 from specserve.engine.batch import BatchEntry, ForwardMode, ScheduledBatch
 from specserve.engine.request import Req
+from specserve.host import HostStaging
 from specserve.layers.attention import padding_bias
 from specserve.models.loader import checkpoint_files, load_state, materialize
 from specserve.runner.model_runner import ModelRunner
@@ -70,6 +71,7 @@ class DSparkProposer(Proposer):
         device = model.fc.weight.device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed + 1)
+        self.staging = HostStaging(device)
 
     # ---- construction ----------------------------------------------------------
 
@@ -224,10 +226,15 @@ class DSparkProposer(Proposer):
         # Confidences only matter when they choose verify lengths.
         needed = self.sps is not None or self.threshold > 0
         tokens, probs, conf = self.model.draft(
-            hidden, anchors, temps, [r.generator for r in reqs], self.generator, needed
+            hidden,
+            anchors,
+            temps,
+            [r.generator for r in reqs],
+            self.generator,
+            needed,
+            greedy_rows=[r.sampling.greedy for r in reqs],
         )
-        token_lists = tokens.tolist()
-        conf_lists = conf.tolist() if conf is not None else None
+        token_lists, conf_lists = self.staging.fetch([tokens, conf])  # the step's first copy
         out_tokens, out_q, out_conf = [], [], []
         for i, (r, limit) in enumerate(zip(reqs, max_lens)):
             out_tokens.append(token_lists[i][:limit])

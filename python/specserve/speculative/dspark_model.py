@@ -293,18 +293,24 @@ class DSparkDraftModel(nn.Module):
         noise: list[torch.Generator | None] | None = None,
         shared: torch.Generator | None = None,
         with_confidence: bool = True,
+        greedy_rows: list[bool] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Walks the block left to right: drafts ``[R, gamma]``, the (Markov
         corrected, temperature-scaled) probabilities they were drawn from
         ``[R, gamma, V]`` (one-hot for greedy rows; None when every row is
-        greedy) and confidences ``[R, gamma]`` (None without the head)."""
+        greedy) and confidences ``[R, gamma]`` (None without the head).
+        ``greedy_rows``: which rows are greedy, as the host knows it (read
+        off ``temperatures`` otherwise, at the cost of a device sync)."""
         base = self.lm_head(hidden).float()  # [R, G, V]
         r, g, vocab = base.shape
         prev = anchors
         state = self.markov_head.init_state(r, hidden) if self.use_markov else None
         tokens, probs, confs = [], [], []
         greedy = temperatures <= 0
-        all_greedy = bool(greedy.all())
+        if greedy_rows is None:
+            greedy_rows = greedy.tolist()  # host read: for callers that do not say (tests)
+        sampled_rows = [i for i, is_greedy in enumerate(greedy_rows) if not is_greedy]
+        all_greedy = not sampled_rows
         for k in range(g):
             logits = base[:, k]
             prev_embed = None
@@ -320,7 +326,7 @@ class DSparkDraftModel(nn.Module):
                 choice = logits.argmax(dim=-1)
             else:
                 p = torch.softmax(logits / torch.where(greedy, 1.0, temperatures)[:, None], dim=-1)
-                choice = _draw(p, logits, greedy, noise, shared)
+                choice = _draw(p, logits, sampled_rows, noise, shared)
                 probs.append(torch.where(greedy[:, None], F.one_hot(choice, vocab).float(), p))
             tokens.append(choice)
             prev = choice
@@ -403,14 +409,13 @@ class DSparkDraftModel(nn.Module):
 def _draw(
     probs: torch.Tensor,
     logits: torch.Tensor,
-    greedy: torch.Tensor,
+    sampled: list[int],
     noise: list[torch.Generator | None] | None,
     shared: torch.Generator | None,
 ) -> torch.Tensor:
     """Argmax for greedy rows; an exponential race (seeded rows from their own
-    generator) for the others."""
+    generator) for the ``sampled`` ones."""
     out = logits.argmax(dim=-1)
-    sampled = (~greedy).nonzero().flatten().tolist()
     for i in sampled:
         gen = noise[i] if noise is not None and noise[i] is not None else shared
         e = torch.empty_like(probs[i]).exponential_(generator=gen)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from specserve.engine.batch import BatchEntry, ForwardMode, ReqStep, ScheduledBatch
-from specserve.engine.output_processor import RunCommit
+from specserve.engine.output_processor import PendingRuns
 from specserve.engine.scheduler import Scheduler
 from specserve.grammar.bitmask import allocate_bitmask, apply_bitmask, fill_chain_masks
 from specserve.runner.model_runner import ForwardOutput
@@ -75,11 +75,13 @@ class SpecDecoder:
 
     def verify(
         self, batch: ScheduledBatch, fwd: ForwardOutput, shared_generator: torch.Generator
-    ) -> tuple[list[RunCommit], list[tuple[list[int], torch.Tensor]]]:
-        """The committed run of every chain, and its processed rows (for
+    ) -> tuple[PendingRuns | None, list[tuple[list[int], torch.Tensor]]]:
+        """Every chain's run, still on the device (its candidates: the chain's
+        rows, committing ``accept + 1`` of them), and its processed rows (for
         ``--logprobs-mode processed``) as (row indices, logits)."""
         chains: list[Chain] = []
-        where: list[tuple[int, int]] = []  # (step, first verify row)
+        steps: list[int] = []
+        rows: list[list[int]] = []
         processed: list[tuple[list[int], torch.Tensor]] = []
         for i, step in enumerate(batch.steps):
             if not step.verify:
@@ -90,14 +92,13 @@ class SpecDecoder:
             chains.append(
                 Chain(x, drafts, step.draft_q, req.sampling, req.generator or shared_generator)
             )
-            where.append((i, lo))
-            processed.append((list(range(lo, lo + 1 + len(drafts))), x))
-        results = verify_chains(chains, self.kernel_backend) if chains else []
-        runs = [
-            RunCommit(i, r.tokens, [lo + row for row in r.rows])
-            for (i, lo), r in zip(where, results)
-        ]
-        return runs, processed
+            steps.append(i)
+            rows.append(list(range(lo, lo + 1 + len(drafts))))
+            processed.append((rows[-1], x))
+        if not chains:
+            return None, processed
+        outcome = verify_chains(chains, self.kernel_backend)
+        return PendingRuns(steps, rows, outcome.candidates(chains), outcome.accept_len), processed
 
     def _process_rows(self, x: torch.Tensor, req, drafts: Sequence[int]) -> torch.Tensor:
         """Row j follows the anchor and ``drafts[:j]``: what plain sampling

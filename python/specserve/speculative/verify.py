@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.host import HostStaging
 from specserve.kernels.chain_verify import greedy_verify, rejection_verify
 from specserve.sampling.params import SamplingParams
 from specserve.sampling.sampler import filter_probs
@@ -34,24 +35,67 @@ class Chain:
     generator: torch.Generator
 
 
-def verify_chains(chains: Sequence[Chain], backend: str = "auto") -> list[VerifyResult]:
+@dataclass
+class ChainOutcome:
+    """What verification decided, still on the device: per chain (in order)
+    the accepted drafts and the token after them."""
+
+    accept_len: torch.Tensor  # [C] int64
+    next_token: torch.Tensor  # [C] int64
+
+    def candidates(self, chains: Sequence[Chain]) -> torch.Tensor:
+        """Chain ``c``'s row ``j`` commits ``x_{j+1}`` if ``j < accept_len[c]``,
+        the next token at ``j == accept_len[c]``, nothing after: the token of
+        every row, flat ``[sum(1 + L)]``, for scoring before the host knows
+        which rows commit."""
+        device = self.accept_len.device
+        lengths = [len(c.drafts) for c in chains]
+        width = max(lengths, default=0) + 1
+        padded = [c.drafts + [0] * (width - len(c.drafts)) for c in chains]
+        drafts = torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
+        j = torch.arange(width, device=device)
+        rows = torch.where(
+            j[None, :] < self.accept_len[:, None], drafts, self.next_token[:, None]
+        )  # [C, Lmax + 1]
+        live = [c * width + k for c, n in enumerate(lengths) for k in range(n + 1)]
+        return rows.flatten()[torch.tensor(live, dtype=torch.int64).to(device, non_blocking=True)]
+
+    @staticmethod
+    def results(chains: Sequence[Chain], accept: list[int], nxt: list[int]) -> list[VerifyResult]:
+        """The committed runs, once ``accept_len`` / ``next_token`` are on the host."""
+        return [
+            VerifyResult(c.drafts[:a] + [t], a, list(range(a + 1)))
+            for c, a, t in zip(chains, accept, nxt)
+        ]
+
+
+def verify_chains(chains: Sequence[Chain], backend: str = "auto") -> ChainOutcome:
     """All chains of a round: greedy ones in one kernel call, sampled ones in
-    (at most) two, so the GPU path never loops over requests."""
-    results: list[VerifyResult | None] = [None] * len(chains)
+    (at most) two, so the GPU path never loops over requests; nothing is
+    read back to the host."""
+    assert chains, "no chains to verify"
+    device = chains[0].logits.device
+    accept = torch.zeros(len(chains), dtype=torch.int64, device=device)
+    nxt = torch.zeros(len(chains), dtype=torch.int64, device=device)
+
+    def place(group: list[int], out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        index = torch.tensor(group, dtype=torch.int64).to(device, non_blocking=True)
+        accept[index], nxt[index] = out[0].to(torch.int64), out[1].to(torch.int64)
+
     greedy = [i for i, c in enumerate(chains) if c.params.greedy]
     if greedy:
         rows = torch.cat([chains[i].logits for i in greedy])
-        out = greedy_verify(
-            rows, *_layout([chains[i] for i in greedy], rows.device), backend=backend
+        place(
+            greedy,
+            greedy_verify(rows, *_layout([chains[i] for i in greedy], device), backend=backend),
         )
-        _collect(results, greedy, chains, *out)
     for one_hot in (True, False):
         group = [
             i for i, c in enumerate(chains) if not c.params.greedy and (c.q is None) == one_hot
         ]
         if group:
-            _rejection(results, group, chains, one_hot, backend)
-    return results  # type: ignore[return-value]
+            place(group, _rejection([chains[i] for i in group], one_hot, backend))
+    return ChainOutcome(accept, nxt)
 
 
 def verify_chain(
@@ -63,7 +107,10 @@ def verify_chain(
 ) -> VerifyResult:
     """One chain: the committed tokens (accepted drafts + one more), how many
     drafts were accepted, and the chain row (0-based) that scored each."""
-    return verify_chains([Chain(logits, drafts, q, params, generator)])[0]
+    chain = Chain(logits, drafts, q, params, generator)
+    out = verify_chains([chain])
+    accept, nxt = HostStaging(logits.device).fetch([out.accept_len, out.next_token])
+    return ChainOutcome.results([chain], accept, nxt)[0]  # type: ignore[arg-type]
 
 
 def _layout(
@@ -74,47 +121,33 @@ def _layout(
     starts = [sum(n + 1 for n in lengths[:i]) for i in range(len(group))]
     width = max(max(lengths), 1)
     drafts = [c.drafts + [0] * (width - len(c.drafts)) for c in group]
-    as_long = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    as_long = lambda v: torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
     return as_long(starts), as_long(drafts), as_long(lengths)
 
 
 def _rejection(
-    results: list, group: list[int], chains: Sequence[Chain], one_hot: bool, backend: str
-) -> None:
-    members = [chains[i] for i in group]
+    members: list[Chain], one_hot: bool, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     probs = torch.cat([target_probs(c.logits, c.params) for c in members])  # [sum(1 + L), V]
-    starts, drafts, lengths = _layout(members, probs.device)
+    device = probs.device
+    starts, drafts, lengths = _layout(members, device)
     width = drafts.shape[1]
     # Each chain draws exactly L + 1 uniforms from its own generator, whatever
-    # else is in the batch: seeded requests stay reproducible.
-    uniforms = torch.zeros(len(members), width + 1)
+    # else is in the batch: seeded requests stay reproducible. They stay on
+    # the device (the generators live there).
+    uniforms = torch.zeros(len(members), width + 1, device=device)
     for b, c in enumerate(members):
-        u = torch.rand(len(c.drafts) + 1, generator=c.generator, device=c.generator.device).cpu()
-        uniforms[b, : len(c.drafts)] = u[:-1]
-        uniforms[b, width] = u[-1]
+        u = torch.rand(len(c.drafts) + 1, generator=c.generator, device=c.generator.device)
+        uniforms[b, : len(c.drafts)] = u[:-1].to(device)
+        uniforms[b, width] = u[-1].to(device)
     q = q_starts = None
     if not one_hot:
         q = torch.cat([c.q.to(probs.dtype) for c in members])  # type: ignore[union-attr]
         q_starts = torch.tensor(
             [sum(len(m.drafts) for m in members[:b]) for b in range(len(members))],
-            device=probs.device,
-        )
-    out = rejection_verify(
-        probs, starts, drafts, lengths, q, q_starts, uniforms.to(probs.device), backend=backend
-    )
-    _collect(results, group, chains, *out)
-
-
-def _collect(
-    results: list,
-    group: list[int],
-    chains: Sequence[Chain],
-    accept: torch.Tensor,
-    nxt: torch.Tensor,
-) -> None:
-    for i, a, t in zip(group, accept.tolist(), nxt.tolist()):
-        drafts = chains[i].drafts
-        results[i] = VerifyResult(drafts[:a] + [t], a, list(range(a + 1)))
+            dtype=torch.int64,
+        ).to(device, non_blocking=True)
+    return rejection_verify(probs, starts, drafts, lengths, q, q_starts, uniforms, backend=backend)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
