@@ -463,3 +463,18 @@ def test_triton_cuda_large_vocab() -> None:
                 res = (w - q_row).clamp(min=0.0)
                 w = res if bool((res > 0).any()) else w
             _check_draw(w, float(uniforms[c, lmax]), int(next_token[c]))
+
+
+@needs_triton
+def test_nan_logits_are_never_the_greedy_token_on_both_paths() -> None:
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 40, generator=g)
+    logits[0, logits[0].argmax()] = NAN  # the would-be argmax is NaN
+    logits[3, :20] = NAN
+    best = logits.nan_to_num(nan=float("-inf")).argmax(dim=-1)
+    row_starts = torch.tensor([0, 3])
+    lengths = torch.tensor([2, 2])
+    drafts = torch.stack([best[0:2], best[3:5]])
+    for fn in (greedy_verify_ref, lambda *a: greedy_verify_triton(*a, block_v=16)):
+        accept, nxt = fn(logits, row_starts, drafts, lengths)
+        assert accept.tolist() == [2, 2] and nxt.tolist() == [int(best[2]), int(best[5])]

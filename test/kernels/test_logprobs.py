@@ -362,3 +362,31 @@ def test_triton_cuda_row_ids() -> None:
         row_ids=row_ids,
     )
     _assert_matches(out, block[row_ids], token_ids, temps, 8, gather_ids)
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:divide by zero")  # the interpreter's log(0) of an empty row
+def test_nan_logits_count_as_impossible_tokens_on_both_paths() -> None:
+    """The NaN contract: a NaN logit is -inf (never in the top-k, logprob -inf),
+    and a row with no possible token reports -inf everywhere, never NaN."""
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, 70, generator=g) * 3
+    logits[0, [3, 17, 50]] = float("nan")
+    logits[1, :] = float("nan")
+    logits[2, :] = NEG_INF
+    logits[3, ::2] = float("nan")
+    token_ids = torch.tensor([3, 5, 6, 8])  # row 3: an even (NaN) id
+    gather = torch.tensor([[17, 0, -1], [1, 2, 3], [4, -1, -1], [0, 1, 2]])
+    for temps in (None, torch.full((4,), 0.7)):
+        ref = row_logprobs_ref(logits, token_ids, temps, 5, gather)
+        tri = row_logprobs_triton(logits, token_ids, temps, 5, gather, block_v=32)
+        for out in (ref, tri):
+            assert not out.token_logprobs.isnan().any() and not out.top_values.isnan().any()
+            assert torch.equal(out.ids_logprobs.isnan(), gather == -1)
+            assert out.token_logprobs[0] == NEG_INF and out.token_logprobs[3] == NEG_INF
+            assert (out.token_logprobs[1:3] == NEG_INF).all()
+            assert not (out.top_ids[0].unsqueeze(1) == torch.tensor([3, 17, 50])).any()
+            assert (out.top_ids[3] % 2 == 1).all()  # the NaN (even) ids never rank
+        torch.testing.assert_close(tri.token_logprobs, ref.token_logprobs, **TOL)
+        torch.testing.assert_close(tri.top_values, ref.top_values, **TOL)
+        torch.testing.assert_close(tri.ids_logprobs, ref.ids_logprobs, equal_nan=True, **TOL)

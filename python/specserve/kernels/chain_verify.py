@@ -46,6 +46,7 @@ DEFAULT_BLOCK_V = 1024
 def _argmax_lowest(x: torch.Tensor) -> torch.Tensor:
     """Row argmax of ``[R, V]`` with ties resolved to the lowest index, spelt out."""
     x = x.float()
+    x = x.masked_fill(x.isnan(), float("-inf"))  # NaN is never the argmax (both paths)
     best = x.max(dim=-1, keepdim=True).values  # [R, 1]
     idx = torch.arange(x.shape[-1], device=x.device).expand_as(x)  # [R, V]
     return torch.where(x == best, idx, x.shape[-1]).min(dim=-1).values  # [R]
@@ -145,6 +146,7 @@ if HAS_TRITON:
             offs = start + tl.arange(0, BLOCK_V)
             mask = offs < V
             x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+            x = tl.where(x == x, x, float("-inf"))  # NaN is never the argmax
             c_max = tl.max(x, axis=0)
             c_idx = tl.min(tl.where(mask & (x == c_max), offs, V), axis=0)
             # Strictly greater: an equal max in a later chunk keeps the lower index,

@@ -9,6 +9,11 @@ on a subset of its rows, in any order and with repeats, without first copying
 them out. The Triton kernel reads only the listed rows, each logit of them
 once; the torch reference materialises the full log-softmax of the selected
 rows and serves as the test oracle.
+
+NaN contract (both paths): a NaN logit counts as -inf, an impossible token;
+a row with no possible token reports -inf for every logprob. Compiled
+``tl.max`` drops NaN while the interpreter propagates it, so NaN is mapped
+to -inf on load, before any reduction.
 """
 
 from __future__ import annotations
@@ -44,9 +49,12 @@ def row_logprobs_ref(
     if row_ids is not None:
         logits = logits[row_ids]  # [R, V] -> [N, V]
     x = logits.float()  # [N, V]
+    x = x.masked_fill(x.isnan(), float("-inf"))  # the NaN contract (module docstring)
     if temperatures is not None:
         x = x / temperatures.float().unsqueeze(1)
     logprobs = torch.log_softmax(x, dim=-1)  # [N, V]
+    # A row with no possible token at all: every logprob is -inf, not NaN.
+    logprobs = logprobs.masked_fill(logprobs.isnan(), float("-inf"))
     token_logprobs = logprobs.gather(1, token_ids.long().unsqueeze(1)).squeeze(1)  # [N]
     top_values, top_ids = torch.topk(logprobs, top_k, dim=-1)  # [N, K]
     if gather_ids is None:
@@ -113,6 +121,7 @@ if HAS_TRITON:
             offs = start + tl.arange(0, BLOCK_V)
             mask = offs < V
             x = tl.load(row_ptr + offs, mask=mask, other=NEG_INF).to(tl.float32)
+            x = tl.where(x == x, x, NEG_INF)  # NaN counts as -inf (compiled tl.max drops it)
             if HAS_TEMP:
                 # Divide, not multiply by 1/t, so values match logits / t bit for bit.
                 x = x / t
@@ -150,19 +159,22 @@ if HAS_TRITON:
                     top_key = new_key
 
         lse = m + tl.log(s)
+        # A row with no possible token: report -inf everywhere (x - lse would be NaN).
+        lse_safe = tl.where(lse == NEG_INF, float("inf"), lse)
 
         tok = tl.load(token_ids_ptr + row * stride_t)
         x_tok = tl.load(row_ptr + tok).to(tl.float32)
+        x_tok = tl.where(x_tok == x_tok, x_tok, NEG_INF)
         if HAS_TEMP:
             x_tok = x_tok / t
-        tl.store(out_token_ptr + row, x_tok - lse)
+        tl.store(out_token_ptr + row, x_tok - lse_safe)
 
         if K > 0:
             top_hi = (top_key >> 32).to(tl.int32)
             top_v = (top_hi ^ ((top_hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
             top_i = ID_MAX - (top_key & 0x7FFFFFFF)
             k_mask = k_offs < K
-            tl.store(out_topv_ptr + row * K + k_offs, top_v - lse, mask=k_mask)
+            tl.store(out_topv_ptr + row * K + k_offs, top_v - lse_safe, mask=k_mask)
             tl.store(out_topi_ptr + row * K + k_offs, top_i, mask=k_mask)
 
         # Requested ids are read after the loop because they need the final lse.
@@ -171,9 +183,10 @@ if HAS_TRITON:
         gid = tl.load(gather_ptr + row * stride_gr + m_offs * stride_gc, mask=m_mask, other=-1)
         valid = gid >= 0
         xg = tl.load(row_ptr + gid, mask=valid, other=0.0).to(tl.float32)
+        xg = tl.where(xg == xg, xg, NEG_INF)
         if HAS_TEMP:
             xg = xg / t
-        xg = tl.where(valid, xg - lse, float("nan"))
+        xg = tl.where(valid, xg - lse_safe, float("nan"))
         tl.store(out_ids_ptr + row * M + m_offs, xg, mask=m_mask)
 
 
