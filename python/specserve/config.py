@@ -297,6 +297,9 @@ class EngineConfig:
     # None: triton on CUDA, torch_native elsewhere.
     attention_backend: str | None = None
     grammar_backend: str = "xgrammar"  # or "none"
+    # On CUDA the engine runs a few tiny requests at start-up, so that every
+    # common kernel variant is compiled before the first user's request.
+    skip_server_warmup: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)

@@ -617,3 +617,19 @@ def test_a_second_gpu_is_current_on_the_engine_thread() -> None:
         assert seen and set(seen) == {1}
     finally:
         eng.shutdown()
+
+
+def test_warm_up_runs_every_kind_of_step_and_leaves_no_trace() -> None:
+    """What CUDA start-up runs to compile the kernels (here on the CPU)."""
+    eng = make_engine(speculative_algorithm="NGRAM", max_total_tokens=512)
+    try:
+        steps: list[str] = []
+        real = eng.runner.forward
+        eng.runner.forward = lambda batch: (steps.append(batch.mode.value), real(batch))[1]
+        eng.warm_up()
+        assert {"extend", "verify"} <= set(steps)
+        st = eng.stats()
+        assert st["prompt_tokens"] == st["generated_tokens"] == st["spec_verify_rounds"] == 0
+        assert eng.free_pages() == eng.total_pages() and eng.num_active_requests() == 0
+    finally:
+        eng.shutdown()

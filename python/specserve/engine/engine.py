@@ -95,6 +95,8 @@ class Engine:
         # Set when the engine stopped on an error no request caused (a device
         # error, a scheduler bug): every request ends and no new one is taken.
         self.error: str | None = None
+        if self.runner.device.type == "cuda" and not self.config.skip_server_warmup:
+            self.warm_up()
         logger.info(
             "engine ready: %s (%s) on %s, %s, KV capacity %d tokens, loaded in %.1fs",
             model_path,
@@ -104,6 +106,33 @@ class Engine:
             self.core.capacity_tokens,
             self.runner.load_seconds,
         )
+
+    def warm_up(self) -> None:
+        """Runs tiny requests through every kind of step (prefill chunks of
+        several widths, decode, verify; greedy and sampled; logprobs with and
+        without top-k and token ids), so Triton compiles its kernels now and
+        not on a user's first request. The counters start from zero after."""
+        start = time.perf_counter()
+        lim = self.requests.limits
+        lengths = [
+            n for n in (1, 7, 33, 100) if n + 4 <= min(lim.context_length, lim.capacity_tokens)
+        ]
+        prompts = [[i % lim.vocab_size for i in range(n)] for n in lengths]
+        for sp, top in (
+            ({"temperature": 0}, 0),
+            ({"temperature": 0.8, "top_p": 0.9, "top_k": 20}, 5),
+            ({"temperature": 0, "repetition_penalty": 1.1}, lim.max_top_logprobs),
+        ):
+            self.generate(
+                input_ids=prompts,
+                sampling_params={**sp, "max_new_tokens": 4, "ignore_eos": True},
+                return_logprob=True,
+                logprob_start_len=0,
+                top_logprobs_num=min(top, lim.max_top_logprobs),
+                token_ids_logprob=[0, 1] if top else None,
+            )
+        self.core.reset_stats()
+        logger.info("warm-up: kernels compiled in %.1fs", time.perf_counter() - start)
 
     # ---- introspection ------------------------------------------------------
 

@@ -169,6 +169,13 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def reset_stats(self) -> None:
+        """Counters from zero (after the start-up warm-up)."""
+        self.stats = EngineStats()
+        self.scheduler.num_preemptions = 0
+        if self.spec is not None:
+            self.spec.verify_rounds = self.spec.committed_tokens = 0
+
     @property
     def capacity_tokens(self) -> int:
         return self.block_pool.total_pages() * self.block_pool.page_size

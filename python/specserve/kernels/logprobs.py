@@ -86,9 +86,10 @@ if HAS_TRITON:
         out_ids_ptr,
         V,
         M,
+        K,
         HAS_ROW_IDS: tl.constexpr,
         HAS_TEMP: tl.constexpr,
-        K: tl.constexpr,
+        HAS_TOP: tl.constexpr,
         K_PAD: tl.constexpr,
         M_PAD: tl.constexpr,
         BLOCK_V: tl.constexpr,
@@ -125,7 +126,7 @@ if HAS_TRITON:
             if HAS_TEMP:
                 # Divide, not multiply by 1/t, so values match logits / t bit for bit.
                 x = x / t
-            if K > 0:
+            if HAS_TOP:
                 # -0.0 would sort below +0.0 by bits; fold it so ties stay ties.
                 bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
                 hi = bits ^ ((bits >> 31) & 0x7FFFFFFF)
@@ -144,8 +145,8 @@ if HAS_TRITON:
             s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
             m = m_new
 
-            # The constexpr test must stay separate: c_top exists only when K > 0.
-            if K > 0:  # noqa: SIM102
+            # The constexpr test must stay separate: c_top exists only with HAS_TOP.
+            if HAS_TOP:  # noqa: SIM102
                 # Most chunks of a long row cannot enter the top k: skip the merge.
                 if c_top > kth_key:
                     new_key = tl.full([K_PAD], EMPTY, tl.int64)
@@ -169,7 +170,7 @@ if HAS_TRITON:
             x_tok = x_tok / t
         tl.store(out_token_ptr + row, x_tok - lse_safe)
 
-        if K > 0:
+        if HAS_TOP:
             top_hi = (top_key >> 32).to(tl.int32)
             top_v = (top_hi ^ ((top_hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
             top_i = ID_MAX - (top_key & 0x7FFFFFFF)
@@ -278,9 +279,11 @@ def row_logprobs_triton(
         out.ids_logprobs,
         v,
         m,
+        top_k,
         HAS_ROW_IDS=row_ids is not None,
         HAS_TEMP=temperatures is not None,
-        K=top_k,
+        # k itself is a runtime value: one compiled variant per power of two.
+        HAS_TOP=top_k > 0,
         K_PAD=_pow2_at_least(top_k),
         M_PAD=_pow2_at_least(m),
         BLOCK_V=block_v,

@@ -73,6 +73,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "torch_native: SDPA over gathered pages (default elsewhere)",
     )
     g.add_argument(
+        "--skip-server-warmup",
+        action="store_true",
+        default=None,
+        help="do not compile the kernels with a few tiny requests at start-up (CUDA)",
+    )
+    g.add_argument(
         "--grammar-backend",
         choices=("xgrammar", "none"),
         default="xgrammar",
