@@ -21,13 +21,17 @@ correction at the first rejected position or the bonus token.
 A draw from non-negative weights w with a uniform u in [0, 1) picks the
 smallest i with ``cumsum(w)[i] > u * sum(w)``; should rounding leave none, the
 last i with ``w[i] > 0`` (0 when w is all zero, which a normalised row never
-is). The Triton kernels run one program per chain, walk its drafts in order and
-stop at the first rejection, scanning each row they need in vocab chunks. The
-torch references spell the rules out plainly and serve as the test oracle.
+is). Greedy verification on Triton is row-parallel: every row's argmax at once
+(programs over rows x vocab slices), then the accept rule for every chain in a
+few vectorised ops. Rejection sampling runs one program per chain, walks its
+drafts in order and stops at the first rejection, scanning each row it needs in
+vocab chunks. The torch references spell the rules out plainly and serve as the
+test oracle.
 
 Inputs are trusted where checking them would need a device sync: drafts must lie
-in ``[0, V)``, ``lengths`` in ``[0, Lmax]``, every row a chain uses must exist,
-and rows must not hold NaN.
+in ``[0, V)``, ``lengths`` in ``[0, Lmax]`` and every row a chain uses must
+exist. A NaN logit is never the greedy token (both paths); probability rows for
+rejection sampling must not hold NaN.
 """
 
 from __future__ import annotations
@@ -65,11 +69,23 @@ def greedy_verify_ref(
     if b == 0:
         empty = torch.empty(0, dtype=torch.int64, device=dev)
         return empty, empty.clone()
-    target = _argmax_lowest(logits)  # [R]
+    return _accept(_argmax_lowest(logits), row_starts, drafts, lengths)
+
+
+def _accept(
+    target: torch.Tensor,  # [R] each row's greedy token
+    row_starts: torch.Tensor,
+    drafts: torch.Tensor,
+    lengths: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept lengths and next tokens from every row's greedy token, all
+    chains at once (no loop, no host read)."""
+    lmax = drafts.shape[1]
+    dev = target.device
     j = torch.arange(lmax, device=dev)  # [Lmax]
     live = j < lengths.unsqueeze(1)  # [B, Lmax]
     # Padded positions may point past the block; they are masked by `live`.
-    rows = (row_starts.unsqueeze(1) + j).clamp(max=logits.shape[0] - 1)  # [B, Lmax]
+    rows = (row_starts.unsqueeze(1) + j).clamp(max=target.shape[0] - 1)  # [B, Lmax]
     match = live & (target[rows] == drafts)  # [B, Lmax]
     # Leading run of matches: the cumulative product stays 1 until the first miss.
     accept_len = match.long().cumprod(dim=1).sum(dim=1)  # [B]
@@ -139,53 +155,37 @@ def rejection_verify_ref(
 if HAS_TRITON:
 
     @triton.jit
-    def _row_argmax(row_ptr, V, BLOCK_V: tl.constexpr):
-        best_v = tl.full([], float("-inf"), tl.float32)
-        best_i = tl.zeros([], tl.int32)
-        for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            mask = offs < V
-            x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-            x = tl.where(x == x, x, float("-inf"))  # NaN is never the argmax
-            c_max = tl.max(x, axis=0)
-            c_idx = tl.min(tl.where(mask & (x == c_max), offs, V), axis=0)
-            # Strictly greater: an equal max in a later chunk keeps the lower index,
-            # and an all -inf row keeps index 0, as the reference does.
-            best_i = tl.where(c_max > best_v, c_idx, best_i)
-            best_v = tl.maximum(best_v, c_max)
-        return best_i
-
-    @triton.jit
-    def _greedy_verify_kernel(
+    def _argmax_key_kernel(
         logits_ptr,
         stride_lr,
-        row_starts_ptr,
-        stride_rs,
-        drafts_ptr,
-        stride_db,
-        stride_dj,
-        lengths_ptr,
-        stride_len,
-        out_accept_ptr,
-        out_next_ptr,
+        out_ptr,
+        stride_or,
         V,
+        SPLIT_V,
         BLOCK_V: tl.constexpr,
     ):
-        c = tl.program_id(0).to(tl.int64)
-        row0 = tl.load(row_starts_ptr + c * stride_rs)
-        n = tl.load(lengths_ptr + c * stride_len)
-        draft_row = drafts_ptr + c * stride_db
-
-        # Walk the chain while drafts match; rows past the first miss are never read.
-        j = tl.zeros([], tl.int64)
-        tok = _row_argmax(logits_ptr + row0 * stride_lr, V, BLOCK_V)
-        d = tl.load(draft_row, mask=n > 0, other=-1)
-        while (j < n) & (tok == d):
-            j += 1
-            tok = _row_argmax(logits_ptr + (row0 + j) * stride_lr, V, BLOCK_V)
-            d = tl.load(draft_row + j * stride_dj, mask=j < n, other=-1)
-        tl.store(out_accept_ptr + c, j)
-        tl.store(out_next_ptr + c, tok.to(tl.int64))
+        # Program (row, part) finds the best of one vocab slice of one row, as
+        # a packed int64 key: the float's bits remapped so signed-int order is
+        # float order, high; (ID_MAX - id), low. The largest key over the parts
+        # is the row's max and, among equal values, its lowest id.
+        ID_MAX: tl.constexpr = 2147483647
+        EMPTY: tl.constexpr = -9223372036854775808
+        row = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1)
+        lo = part * SPLIT_V
+        hi = tl.minimum(lo + SPLIT_V, V)
+        row_ptr = logits_ptr + row * stride_lr
+        best = tl.full([], EMPTY, tl.int64)
+        for start in range(lo, hi, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            mask = offs < hi
+            x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+            x = tl.where(x == x, x, float("-inf"))  # NaN is never the argmax
+            bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)  # -0.0 ties +0.0
+            key_hi = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+            key = (key_hi.to(tl.int64) << 32) | (ID_MAX - offs).to(tl.int64)
+            best = tl.maximum(best, tl.max(tl.where(mask, key, EMPTY), axis=0))
+        tl.store(out_ptr + row * stride_or + part, best)
 
     @triton.jit
     def _accept_draft(
@@ -361,6 +361,11 @@ def _check_chains(
     return b, lmax
 
 
+# Vocab slice of one argmax program: a 151936-token row spreads over 19
+# programs, so even a single short chain keeps many SMs busy.
+ARGMAX_SPLIT = 8192
+
+
 def greedy_verify_triton(
     logits: torch.Tensor,
     row_starts: torch.Tensor,
@@ -368,33 +373,26 @@ def greedy_verify_triton(
     lengths: torch.Tensor,
     block_v: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton greedy verification: one program per chain."""
+    """Triton greedy verification, row-parallel: every row's argmax at once
+    (programs over rows x vocab slices), then the accept rule for all chains
+    in a few vectorised ops. Nothing waits on a previous row."""
     if not HAS_TRITON:
         raise RuntimeError("greedy_verify_triton needs triton, which is not installed")
     b, _ = _check_chains(logits, "logits", LOGIT_DTYPES, row_starts, drafts, lengths)
     block_v = _check_block(block_v)
     dev = logits.device
-    accept_len = torch.empty(b, dtype=torch.int64, device=dev)
-    next_token = torch.empty(b, dtype=torch.int64, device=dev)
     if b == 0:
-        return accept_len, next_token
-    _greedy_verify_kernel[(b,)](
-        logits,
-        logits.stride(0),
-        row_starts,
-        row_starts.stride(0),
-        drafts,
-        drafts.stride(0),
-        drafts.stride(1),
-        lengths,
-        lengths.stride(0),
-        accept_len,
-        next_token,
-        logits.shape[1],
-        BLOCK_V=block_v,
-        num_warps=4,
+        empty = torch.empty(0, dtype=torch.int64, device=dev)
+        return empty, empty.clone()
+    r, v = logits.shape
+    split = max(block_v, ARGMAX_SPLIT // block_v * block_v)
+    parts = -(-v // split)
+    keys = torch.empty(r, parts, dtype=torch.int64, device=dev)
+    _argmax_key_kernel[(r, parts)](
+        logits, logits.stride(0), keys, keys.stride(0), v, split, BLOCK_V=block_v, num_warps=4
     )
-    return accept_len, next_token
+    target = 2147483647 - (keys.amax(dim=1) & 0x7FFFFFFF)  # [R] lowest id of each row's max
+    return _accept(target, row_starts, drafts, lengths)
 
 
 def rejection_verify_triton(
