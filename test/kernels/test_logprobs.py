@@ -390,3 +390,19 @@ def test_nan_logits_count_as_impossible_tokens_on_both_paths() -> None:
         torch.testing.assert_close(tri.token_logprobs, ref.token_logprobs, **TOL)
         torch.testing.assert_close(tri.top_values, ref.top_values, **TOL)
         torch.testing.assert_close(tri.ids_logprobs, ref.ids_logprobs, equal_nan=True, **TOL)
+
+
+@needs_triton
+@pytest.mark.parametrize("programs", [1, 10**6], ids=["one-program-per-row", "vocab-slices"])
+@pytest.mark.parametrize("top_k", [0, 3, 20])
+def test_both_launch_shapes_match_the_reference(monkeypatch, programs: int, top_k: int) -> None:
+    """One program per row, or each row split into vocab slices merged by the
+    combine kernel (logsumexp of the parts, top k of their top keys)."""
+    from specserve.kernels import logprobs as lp
+
+    monkeypatch.setattr(lp, "TARGET_PROGRAMS", programs)
+    logits, token_ids, temps, gather_ids = _hard_batch(333)
+    parts, _ = lp._vocab_split(4, 333, 32)
+    assert (parts == 1) == (programs == 1)
+    out = row_logprobs_triton(logits, token_ids, temps, top_k, gather_ids, block_v=32)
+    _assert_matches(out, logits, token_ids, temps, top_k, gather_ids)

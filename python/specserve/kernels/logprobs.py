@@ -66,6 +66,108 @@ def row_logprobs_ref(
 
 
 if HAS_TRITON:
+    # Top-k candidates are packed into one int64 key: the high 32 bits are the
+    # float's bits remapped so signed-int order equals float order, the low 32
+    # bits are (ID_MAX - id). One max reduction then picks the largest value
+    # and, among equal values, the lowest id.
+
+    @triton.jit
+    def _merge_top(top_key, kth_key, c_key, K, K_PAD: tl.constexpr):
+        """The best K of two descending key sets (keys are unique: ids are)."""
+        EMPTY: tl.constexpr = -9223372036854775808  # below every real key (even -inf)
+        k_offs = tl.arange(0, K_PAD)
+        new_key = tl.full([K_PAD], EMPTY, tl.int64)
+        for j in range(K):
+            best = tl.maximum(tl.max(top_key, axis=0), tl.max(c_key, axis=0))
+            new_key = tl.where(k_offs == j, best, new_key)
+            kth_key = best
+            # Retires exactly the pick.
+            top_key = tl.where(top_key == best, EMPTY, top_key)
+            c_key = tl.where(c_key == best, EMPTY, c_key)
+        return new_key, kth_key
+
+    @triton.jit
+    def _scan(row_ptr, lo, hi, t, K, HAS_TEMP: tl.constexpr, HAS_TOP: tl.constexpr,
+              K_PAD: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+        """Online max / sum-exp and the top-k keys of ``row[lo:hi]``."""
+        NEG_INF: tl.constexpr = float("-inf")
+        ID_MAX: tl.constexpr = 2147483647
+        EMPTY: tl.constexpr = -9223372036854775808
+        m = tl.full([], NEG_INF, tl.float32)  # running max
+        s = tl.full([], 0.0, tl.float32)  # running sum of exp(x - m)
+        top_key = tl.full([K_PAD], EMPTY, tl.int64)  # best keys, descending
+        kth_key = tl.full([], EMPTY, tl.int64)  # key in slot K-1; EMPTY until k are seen
+        for start in range(lo, hi, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            mask = offs < hi
+            x = tl.load(row_ptr + offs, mask=mask, other=NEG_INF).to(tl.float32)
+            x = tl.where(x == x, x, NEG_INF)  # NaN counts as -inf (compiled tl.max drops it)
+            if HAS_TEMP:
+                # Divide, not multiply by 1/t, so values match logits / t bit for bit.
+                x = x / t
+            if HAS_TOP:
+                # -0.0 would sort below +0.0 by bits; fold it so ties stay ties.
+                bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+                key_hi = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+                c_key = (key_hi.to(tl.int64) << 32) | (ID_MAX - offs).to(tl.int64)
+                c_key = tl.where(mask, c_key, EMPTY)  # [BLOCK_V]
+                c_top = tl.max(c_key, axis=0)
+                # The chunk max falls out of the key, saving a second reduction.
+                c_hi = (c_top >> 32).to(tl.int32)
+                c_max = (c_hi ^ ((c_hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+            else:
+                c_max = tl.max(x, axis=0)
+            m_new = tl.maximum(m, c_max)
+            # All -inf so far: shift by 0 instead, or exp(-inf - -inf) gives NaN.
+            m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
+            m = m_new
+            # The constexpr test must stay separate: c_top exists only with HAS_TOP.
+            if HAS_TOP:  # noqa: SIM102
+                # Most chunks of a long row cannot enter the top k: skip the merge.
+                if c_top > kth_key:
+                    top_key, kth_key = _merge_top(top_key, kth_key, c_key, K, K_PAD)
+        return m, s, top_key
+
+    @triton.jit
+    def _finish(row, row_ptr, t, m, s, top_key, token_ids_ptr, stride_t, gather_ptr,
+                stride_gr, stride_gc, out_token_ptr, out_topv_ptr, out_topi_ptr, out_ids_ptr,
+                M, K, HAS_TEMP: tl.constexpr, HAS_TOP: tl.constexpr, K_PAD: tl.constexpr,
+                M_PAD: tl.constexpr):  # fmt: skip
+        """Writes one row's logprobs from its max, sum-exp and top keys."""
+        NEG_INF: tl.constexpr = float("-inf")
+        ID_MAX: tl.constexpr = 2147483647
+        lse = m + tl.log(s)
+        # A row with no possible token: report -inf everywhere (x - lse would be NaN).
+        lse_safe = tl.where(lse == NEG_INF, float("inf"), lse)
+
+        tok = tl.load(token_ids_ptr + row * stride_t)
+        x_tok = tl.load(row_ptr + tok).to(tl.float32)
+        x_tok = tl.where(x_tok == x_tok, x_tok, NEG_INF)
+        if HAS_TEMP:
+            x_tok = x_tok / t
+        tl.store(out_token_ptr + row, x_tok - lse_safe)
+
+        if HAS_TOP:
+            k_offs = tl.arange(0, K_PAD)
+            top_hi = (top_key >> 32).to(tl.int32)
+            top_v = (top_hi ^ ((top_hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+            top_i = ID_MAX - (top_key & 0x7FFFFFFF)
+            k_mask = k_offs < K
+            tl.store(out_topv_ptr + row * K + k_offs, top_v - lse_safe, mask=k_mask)
+            tl.store(out_topi_ptr + row * K + k_offs, top_i, mask=k_mask)
+
+        # Requested ids are read last because they need the final lse.
+        m_offs = tl.arange(0, M_PAD)
+        m_mask = m_offs < M
+        gid = tl.load(gather_ptr + row * stride_gr + m_offs * stride_gc, mask=m_mask, other=-1)
+        valid = gid >= 0
+        xg = tl.load(row_ptr + gid, mask=valid, other=0.0).to(tl.float32)
+        xg = tl.where(xg == xg, xg, NEG_INF)
+        if HAS_TEMP:
+            xg = xg / t
+        xg = tl.where(valid, xg - lse_safe, float("nan"))
+        tl.store(out_ids_ptr + row * M + m_offs, xg, mask=m_mask)
 
     @triton.jit
     def _row_logprobs_kernel(
@@ -84,116 +186,129 @@ if HAS_TRITON:
         out_topv_ptr,
         out_topi_ptr,
         out_ids_ptr,
+        part_m_ptr,
+        part_s_ptr,
+        part_key_ptr,
         V,
         M,
         K,
+        SPLIT_V,
+        NUM_PARTS,
         HAS_ROW_IDS: tl.constexpr,
         HAS_TEMP: tl.constexpr,
         HAS_TOP: tl.constexpr,
         K_PAD: tl.constexpr,
         M_PAD: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        PARTIAL: tl.constexpr,
     ):
-        # Top-k candidates are packed into one int64 key: the high 32 bits are the
-        # float's bits remapped so signed-int order equals float order, the low 32
-        # bits are (ID_MAX - id). One max reduction then picks the largest value
-        # and, among equal values, the lowest id.
-        ID_MAX: tl.constexpr = 2147483647
-        EMPTY: tl.constexpr = -9223372036854775808  # below every real key (even -inf)
-        NEG_INF: tl.constexpr = float("-inf")
-
+        # Program (row, part) scans one vocab slice of one row. With PARTIAL
+        # it leaves its max, sum-exp and top keys for _combine_kernel; else
+        # (one slice: the whole row) it writes the row's logprobs itself.
         # `row` indexes the per-output-row inputs and outputs; `src` the logits.
         # 64-bit offsets so huge [R, V] blocks cannot overflow.
+        row = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1)
+        src = row
+        if HAS_ROW_IDS:
+            src = tl.load(row_ids_ptr + row * stride_rid).to(tl.int64)
+        row_ptr = logits_ptr + src * stride_lr
+        t = 1.0
+        if HAS_TEMP:
+            t = tl.load(temps_ptr + row * stride_temp).to(tl.float32)
+        lo = part * SPLIT_V
+        hi = tl.minimum(lo + SPLIT_V, V)
+        m, s, top_key = _scan(row_ptr, lo, hi, t, K, HAS_TEMP, HAS_TOP, K_PAD, BLOCK_V)
+        if PARTIAL:
+            at = row * NUM_PARTS + part
+            tl.store(part_m_ptr + at, m)
+            tl.store(part_s_ptr + at, s)
+            if HAS_TOP:
+                tl.store(part_key_ptr + at * K_PAD + tl.arange(0, K_PAD), top_key)
+        else:
+            _finish(row, row_ptr, t, m, s, top_key, token_ids_ptr, stride_t, gather_ptr,
+                    stride_gr, stride_gc, out_token_ptr, out_topv_ptr, out_topi_ptr,
+                    out_ids_ptr, M, K, HAS_TEMP, HAS_TOP, K_PAD, M_PAD)  # fmt: skip
+
+    @triton.jit
+    def _combine_kernel(
+        logits_ptr,
+        stride_lr,
+        row_ids_ptr,
+        stride_rid,
+        token_ids_ptr,
+        stride_t,
+        temps_ptr,
+        stride_temp,
+        gather_ptr,
+        stride_gr,
+        stride_gc,
+        out_token_ptr,
+        out_topv_ptr,
+        out_topi_ptr,
+        out_ids_ptr,
+        part_m_ptr,
+        part_s_ptr,
+        part_key_ptr,
+        M,
+        K,
+        NUM_PARTS,
+        HAS_ROW_IDS: tl.constexpr,
+        HAS_TEMP: tl.constexpr,
+        HAS_TOP: tl.constexpr,
+        K_PAD: tl.constexpr,
+        M_PAD: tl.constexpr,
+    ):
+        # One program per row merges its slices: the logsumexp of the parts'
+        # (max, sum-exp) pairs, the top k of their top keys.
+        NEG_INF: tl.constexpr = float("-inf")
+        EMPTY: tl.constexpr = -9223372036854775808
         row = tl.program_id(0).to(tl.int64)
         src = row
         if HAS_ROW_IDS:
             src = tl.load(row_ids_ptr + row * stride_rid).to(tl.int64)
         row_ptr = logits_ptr + src * stride_lr
+        t = 1.0
         if HAS_TEMP:
             t = tl.load(temps_ptr + row * stride_temp).to(tl.float32)
-
-        m = tl.full([], NEG_INF, tl.float32)  # running max
-        s = tl.full([], 0.0, tl.float32)  # running sum of exp(x - m)
-        k_offs = tl.arange(0, K_PAD)
-        top_key = tl.full([K_PAD], EMPTY, tl.int64)  # best keys, descending
-        kth_key = tl.full([], EMPTY, tl.int64)  # key in slot K-1; EMPTY until k are seen
-
-        for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            mask = offs < V
-            x = tl.load(row_ptr + offs, mask=mask, other=NEG_INF).to(tl.float32)
-            x = tl.where(x == x, x, NEG_INF)  # NaN counts as -inf (compiled tl.max drops it)
-            if HAS_TEMP:
-                # Divide, not multiply by 1/t, so values match logits / t bit for bit.
-                x = x / t
-            if HAS_TOP:
-                # -0.0 would sort below +0.0 by bits; fold it so ties stay ties.
-                bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
-                hi = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-                c_key = (hi.to(tl.int64) << 32) | (ID_MAX - offs).to(tl.int64)
-                c_key = tl.where(mask, c_key, EMPTY)  # [BLOCK_V]
-                c_top = tl.max(c_key, axis=0)
-                # The chunk max falls out of the key, saving a second reduction.
-                c_hi = (c_top >> 32).to(tl.int32)
-                c_max = (c_hi ^ ((c_hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-            else:
-                c_max = tl.max(x, axis=0)
-
-            m_new = tl.maximum(m, c_max)
-            # All -inf so far: shift by 0 instead, or exp(-inf - -inf) gives NaN.
+        m = tl.full([], NEG_INF, tl.float32)
+        s = tl.full([], 0.0, tl.float32)
+        top_key = tl.full([K_PAD], EMPTY, tl.int64)
+        kth_key = tl.full([], EMPTY, tl.int64)
+        for part in range(0, NUM_PARTS):
+            at = row * NUM_PARTS + part
+            m_p = tl.load(part_m_ptr + at)
+            s_p = tl.load(part_s_ptr + at)
+            m_new = tl.maximum(m, m_p)
             m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
-            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
+            s = s * tl.exp(m - m_safe) + s_p * tl.exp(m_p - m_safe)
             m = m_new
-
-            # The constexpr test must stay separate: c_top exists only with HAS_TOP.
-            if HAS_TOP:  # noqa: SIM102
-                # Most chunks of a long row cannot enter the top k: skip the merge.
-                if c_top > kth_key:
-                    new_key = tl.full([K_PAD], EMPTY, tl.int64)
-                    for j in range(K):
-                        best = tl.maximum(tl.max(top_key, axis=0), tl.max(c_key, axis=0))
-                        new_key = tl.where(k_offs == j, best, new_key)
-                        kth_key = best
-                        # Keys are unique (ids are), so this retires exactly the pick.
-                        top_key = tl.where(top_key == best, EMPTY, top_key)
-                        c_key = tl.where(c_key == best, EMPTY, c_key)
-                    top_key = new_key
-
-        lse = m + tl.log(s)
-        # A row with no possible token: report -inf everywhere (x - lse would be NaN).
-        lse_safe = tl.where(lse == NEG_INF, float("inf"), lse)
-
-        tok = tl.load(token_ids_ptr + row * stride_t)
-        x_tok = tl.load(row_ptr + tok).to(tl.float32)
-        x_tok = tl.where(x_tok == x_tok, x_tok, NEG_INF)
-        if HAS_TEMP:
-            x_tok = x_tok / t
-        tl.store(out_token_ptr + row, x_tok - lse_safe)
-
-        if HAS_TOP:
-            top_hi = (top_key >> 32).to(tl.int32)
-            top_v = (top_hi ^ ((top_hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-            top_i = ID_MAX - (top_key & 0x7FFFFFFF)
-            k_mask = k_offs < K
-            tl.store(out_topv_ptr + row * K + k_offs, top_v - lse_safe, mask=k_mask)
-            tl.store(out_topi_ptr + row * K + k_offs, top_i, mask=k_mask)
-
-        # Requested ids are read after the loop because they need the final lse.
-        m_offs = tl.arange(0, M_PAD)
-        m_mask = m_offs < M
-        gid = tl.load(gather_ptr + row * stride_gr + m_offs * stride_gc, mask=m_mask, other=-1)
-        valid = gid >= 0
-        xg = tl.load(row_ptr + gid, mask=valid, other=0.0).to(tl.float32)
-        xg = tl.where(xg == xg, xg, NEG_INF)
-        if HAS_TEMP:
-            xg = xg / t
-        xg = tl.where(valid, xg - lse_safe, float("nan"))
-        tl.store(out_ids_ptr + row * M + m_offs, xg, mask=m_mask)
+            if HAS_TOP:
+                c_key = tl.load(part_key_ptr + at * K_PAD + tl.arange(0, K_PAD))
+                if tl.max(c_key, axis=0) > kth_key:
+                    top_key, kth_key = _merge_top(top_key, kth_key, c_key, K, K_PAD)
+        _finish(row, row_ptr, t, m, s, top_key, token_ids_ptr, stride_t, gather_ptr,
+                stride_gr, stride_gc, out_token_ptr, out_topv_ptr, out_topi_ptr, out_ids_ptr,
+                M, K, HAS_TEMP, HAS_TOP, K_PAD, M_PAD)  # fmt: skip
 
 
 def _pow2_at_least(n: int) -> int:
     # tl.arange needs a power-of-two length of at least 1.
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# Programs a block should spread over (a few per SM of a large GPU): few rows
+# split their vocab into slices, scanned in parallel and merged by a second,
+# tiny kernel; many rows keep one program per row (each reads its row once).
+TARGET_PROGRAMS = 1024
+
+
+def _vocab_split(n: int, v: int, block_v: int) -> tuple[int, int]:
+    """(slices per row, tokens per slice, a multiple of block_v)."""
+    chunks = -(-v // block_v)
+    parts = min(chunks, max(1, -(-TARGET_PROGRAMS // n)))
+    split = -(-chunks // parts) * block_v
+    return -(-v // split), split
 
 
 def row_logprobs_triton(
@@ -205,7 +320,8 @@ def row_logprobs_triton(
     block_v: int | None = None,
     row_ids: torch.Tensor | None = None,
 ) -> RowLogprobs:
-    """Triton path: one program per output row, one pass over its logits row.
+    """Triton path: each logits row read once, by one program or (few rows)
+    by several over slices of the vocabulary, merged by a second kernel.
 
     ``row_ids`` values must lie in ``[0, R)``; they are not checked here, as that
     would need a device sync.
@@ -261,34 +377,32 @@ def row_logprobs_triton(
     # any pointer will do.
     temps = temperatures if temperatures is not None else out.token_logprobs
     rids = row_ids if row_ids is not None else token_ids
-    _row_logprobs_kernel[(n,)](
-        logits,
-        logits.stride(0),
-        rids,
-        rids.stride(0),
-        token_ids,
-        token_ids.stride(0),
-        temps,
-        temps.stride(0),
-        gather_ids,
-        gather_ids.stride(0),
-        gather_ids.stride(1),
-        out.token_logprobs,
-        out.top_values,
-        out.top_ids,
-        out.ids_logprobs,
-        v,
-        m,
-        top_k,
+    parts, split = _vocab_split(n, v, block_v)
+    k_pad = _pow2_at_least(top_k)
+    flags = dict(
         HAS_ROW_IDS=row_ids is not None,
         HAS_TEMP=temperatures is not None,
         # k itself is a runtime value: one compiled variant per power of two.
         HAS_TOP=top_k > 0,
-        K_PAD=_pow2_at_least(top_k),
+        K_PAD=k_pad,
         M_PAD=_pow2_at_least(m),
-        BLOCK_V=block_v,
-        num_warps=4,
     )
+    rows = (
+        logits, logits.stride(0), rids, rids.stride(0), token_ids, token_ids.stride(0),
+        temps, temps.stride(0), gather_ids, gather_ids.stride(0), gather_ids.stride(1),
+        out.token_logprobs, out.top_values, out.top_ids, out.ids_logprobs,
+    )  # fmt: skip
+    part_m = torch.empty(n * parts if parts > 1 else 1, dtype=torch.float32, device=dev)
+    part_s = torch.empty_like(part_m)
+    part_key = torch.empty(part_m.numel() * k_pad, dtype=torch.int64, device=dev)
+    _row_logprobs_kernel[(n, parts)](
+        *rows, part_m, part_s, part_key, v, m, top_k, split, parts,
+        **flags, BLOCK_V=block_v, PARTIAL=parts > 1, num_warps=4,
+    )  # fmt: skip
+    if parts > 1:
+        _combine_kernel[(n,)](
+            *rows, part_m, part_s, part_key, m, top_k, parts, **flags, num_warps=1
+        )
     return out
 
 
