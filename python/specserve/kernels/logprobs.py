@@ -200,11 +200,14 @@ if HAS_TRITON:
         K_PAD: tl.constexpr,
         M_PAD: tl.constexpr,
         BLOCK_V: tl.constexpr,
-        PARTIAL: tl.constexpr,
+        PHASE: tl.constexpr,
     ):
-        # Program (row, part) scans one vocab slice of one row. With PARTIAL
-        # it leaves its max, sum-exp and top keys for _combine_kernel; else
-        # (one slice: the whole row) it writes the row's logprobs itself.
+        # PHASE 0: program (row, 0) scans its whole row and writes its logprobs.
+        # PHASE 1: program (row, part) scans one vocab slice and leaves its max,
+        # sum-exp and top keys; PHASE 2: program (row, 0) merges the slices
+        # (the logsumexp of the parts, the top k of their keys) and writes.
+        NEG_INF: tl.constexpr = float("-inf")
+        EMPTY: tl.constexpr = -9223372036854775808
         # `row` indexes the per-output-row inputs and outputs; `src` the logits.
         # 64-bit offsets so huge [R, V] blocks cannot overflow.
         row = tl.program_id(0).to(tl.int64)
@@ -216,10 +219,28 @@ if HAS_TRITON:
         t = 1.0
         if HAS_TEMP:
             t = tl.load(temps_ptr + row * stride_temp).to(tl.float32)
-        lo = part * SPLIT_V
-        hi = tl.minimum(lo + SPLIT_V, V)
-        m, s, top_key = _scan(row_ptr, lo, hi, t, K, HAS_TEMP, HAS_TOP, K_PAD, BLOCK_V)
-        if PARTIAL:
+        if PHASE == 2:
+            m = tl.full([], NEG_INF, tl.float32)
+            s = tl.full([], 0.0, tl.float32)
+            top_key = tl.full([K_PAD], EMPTY, tl.int64)
+            kth_key = tl.full([], EMPTY, tl.int64)
+            for p in range(0, NUM_PARTS):
+                at = row * NUM_PARTS + p
+                m_p = tl.load(part_m_ptr + at)
+                s_p = tl.load(part_s_ptr + at)
+                m_new = tl.maximum(m, m_p)
+                m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+                s = s * tl.exp(m - m_safe) + s_p * tl.exp(m_p - m_safe)
+                m = m_new
+                if HAS_TOP:
+                    c_key = tl.load(part_key_ptr + at * K_PAD + tl.arange(0, K_PAD))
+                    if tl.max(c_key, axis=0) > kth_key:
+                        top_key, kth_key = _merge_top(top_key, kth_key, c_key, K, K_PAD)
+        else:
+            lo = part * SPLIT_V
+            hi = tl.minimum(lo + SPLIT_V, V)
+            m, s, top_key = _scan(row_ptr, lo, hi, t, K, HAS_TEMP, HAS_TOP, K_PAD, BLOCK_V)
+        if PHASE == 1:
             at = row * NUM_PARTS + part
             tl.store(part_m_ptr + at, m)
             tl.store(part_s_ptr + at, s)
@@ -229,67 +250,6 @@ if HAS_TRITON:
             _finish(row, row_ptr, t, m, s, top_key, token_ids_ptr, stride_t, gather_ptr,
                     stride_gr, stride_gc, out_token_ptr, out_topv_ptr, out_topi_ptr,
                     out_ids_ptr, M, K, HAS_TEMP, HAS_TOP, K_PAD, M_PAD)  # fmt: skip
-
-    @triton.jit
-    def _combine_kernel(
-        logits_ptr,
-        stride_lr,
-        row_ids_ptr,
-        stride_rid,
-        token_ids_ptr,
-        stride_t,
-        temps_ptr,
-        stride_temp,
-        gather_ptr,
-        stride_gr,
-        stride_gc,
-        out_token_ptr,
-        out_topv_ptr,
-        out_topi_ptr,
-        out_ids_ptr,
-        part_m_ptr,
-        part_s_ptr,
-        part_key_ptr,
-        M,
-        K,
-        NUM_PARTS,
-        HAS_ROW_IDS: tl.constexpr,
-        HAS_TEMP: tl.constexpr,
-        HAS_TOP: tl.constexpr,
-        K_PAD: tl.constexpr,
-        M_PAD: tl.constexpr,
-    ):
-        # One program per row merges its slices: the logsumexp of the parts'
-        # (max, sum-exp) pairs, the top k of their top keys.
-        NEG_INF: tl.constexpr = float("-inf")
-        EMPTY: tl.constexpr = -9223372036854775808
-        row = tl.program_id(0).to(tl.int64)
-        src = row
-        if HAS_ROW_IDS:
-            src = tl.load(row_ids_ptr + row * stride_rid).to(tl.int64)
-        row_ptr = logits_ptr + src * stride_lr
-        t = 1.0
-        if HAS_TEMP:
-            t = tl.load(temps_ptr + row * stride_temp).to(tl.float32)
-        m = tl.full([], NEG_INF, tl.float32)
-        s = tl.full([], 0.0, tl.float32)
-        top_key = tl.full([K_PAD], EMPTY, tl.int64)
-        kth_key = tl.full([], EMPTY, tl.int64)
-        for part in range(0, NUM_PARTS):
-            at = row * NUM_PARTS + part
-            m_p = tl.load(part_m_ptr + at)
-            s_p = tl.load(part_s_ptr + at)
-            m_new = tl.maximum(m, m_p)
-            m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
-            s = s * tl.exp(m - m_safe) + s_p * tl.exp(m_p - m_safe)
-            m = m_new
-            if HAS_TOP:
-                c_key = tl.load(part_key_ptr + at * K_PAD + tl.arange(0, K_PAD))
-                if tl.max(c_key, axis=0) > kth_key:
-                    top_key, kth_key = _merge_top(top_key, kth_key, c_key, K, K_PAD)
-        _finish(row, row_ptr, t, m, s, top_key, token_ids_ptr, stride_t, gather_ptr,
-                stride_gr, stride_gc, out_token_ptr, out_topv_ptr, out_topi_ptr, out_ids_ptr,
-                M, K, HAS_TEMP, HAS_TOP, K_PAD, M_PAD)  # fmt: skip
 
 
 def _pow2_at_least(n: int) -> int:
@@ -395,14 +355,12 @@ def row_logprobs_triton(
     part_m = torch.empty(n * parts if parts > 1 else 1, dtype=torch.float32, device=dev)
     part_s = torch.empty_like(part_m)
     part_key = torch.empty(part_m.numel() * k_pad, dtype=torch.int64, device=dev)
-    _row_logprobs_kernel[(n, parts)](
-        *rows, part_m, part_s, part_key, v, m, top_k, split, parts,
-        **flags, BLOCK_V=block_v, PARTIAL=parts > 1, num_warps=4,
-    )  # fmt: skip
-    if parts > 1:
-        _combine_kernel[(n,)](
-            *rows, part_m, part_s, part_key, m, top_k, parts, **flags, num_warps=1
-        )
+    scalars = (part_m, part_s, part_key, v, m, top_k, split, parts)
+    if parts == 1:
+        _row_logprobs_kernel[(n, 1)](*rows, *scalars, **flags, BLOCK_V=block_v, PHASE=0)
+    else:
+        _row_logprobs_kernel[(n, parts)](*rows, *scalars, **flags, BLOCK_V=block_v, PHASE=1)
+        _row_logprobs_kernel[(n, 1)](*rows, *scalars, **flags, BLOCK_V=block_v, PHASE=2)
     return out
 
 
