@@ -88,7 +88,8 @@ def spy(monkeypatch, module, name: str, calls: dict) -> None:
 
 def test_demo_bf16_plain_and_dspark_against_float32(monkeypatch) -> None:
     from specserve.assets import demo_path
-    from specserve.kernels import chain_verify, logprobs, paged_attention
+    from specserve.kernels import chain_verify, logprobs
+    from specserve.layers import attention
 
     oracle_engine = demo_engine(
         dtype="float32", kernel_backend="torch", attention_backend="torch_native"
@@ -101,10 +102,12 @@ def test_demo_bf16_plain_and_dspark_against_float32(monkeypatch) -> None:
     for module, names in (
         (logprobs, ("row_logprobs_triton", "row_logprobs_ref")),
         (chain_verify, ("greedy_verify_triton", "greedy_verify_ref")),
-        (paged_attention, ("paged_attention_triton", "paged_attention_ref")),
+        # The backend calls the kernel by the name it imported.
+        (attention, ("paged_attention_triton",)),
     ):
         for name in names:
             spy(monkeypatch, module, name, calls)
+    spy(monkeypatch, attention.TorchAttentionBackend, "forward", calls)  # the SDPA path
     plain_engine = demo_engine(dtype="bfloat16")
     plain = generate(plain_engine, prompts)
     plain_engine.shutdown()
@@ -126,7 +129,7 @@ def test_demo_bf16_plain_and_dspark_against_float32(monkeypatch) -> None:
     assert tau >= 2.5
     for name in ("row_logprobs_triton", "greedy_verify_triton", "paged_attention_triton"):
         assert calls.get(name, 0) > 0, calls
-    for name in ("row_logprobs_ref", "greedy_verify_ref", "paged_attention_ref"):
+    for name in ("row_logprobs_ref", "greedy_verify_ref", "forward"):
         assert calls.get(name, 0) == 0, calls
 
 
