@@ -67,11 +67,8 @@ class ScheduledBatch:
         return self._subset(slice(0, mid)), self._subset(slice(mid, None))
 
     def _subset(self, part: slice) -> ScheduledBatch:
+        # Only a scheduled batch is split, never the one speculation made of it,
+        # so no step verifies yet.
         steps = self.steps[part]
-        if steps and all(s.verify for s in steps):
-            mode = ForwardMode.VERIFY
-        elif all(s.decoding for s in steps):
-            mode = ForwardMode.DECODE
-        else:
-            mode = ForwardMode.EXTEND
+        mode = ForwardMode.DECODE if all(s.decoding for s in steps) else ForwardMode.EXTEND
         return ScheduledBatch(mode, self.entries[part], steps, self.capture_layer_ids)

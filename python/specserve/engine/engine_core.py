@@ -269,8 +269,9 @@ class EngineCore:
     def _fail(self, req: Req, error: Exception) -> None:
         """Ends ``req`` alone after ``error`` in its part of a step."""
         logger.error("request %s failed in an engine step", req.rid, exc_info=error)
-        if self.scheduler.abort(req.rid, failure(error)) is None:
-            req.finish(failure(error))  # already out of the scheduler's hands
+        reason = failure(error)
+        if self.scheduler.abort(req.rid, reason) is None:
+            req.finish(reason)  # already out of the scheduler's hands
 
     def _sample(
         self, batch: ScheduledBatch, fwd: ForwardOutput

@@ -142,7 +142,7 @@ def activation_bytes(config: EngineConfig, mc: ModelConfig, context_length: int)
         sched.chunked_prefill_size + sched.max_running_requests,
         sched.max_running_requests * chain,
     )
-    elem = torch.empty((), dtype=config.torch_dtype).element_size()
+    elem = config.torch_dtype.itemsize
     qkv = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
     per_token = elem * (6 * mc.hidden_size + 3 * mc.intermediate_size + 2 * qkv)
     logits = 4 * 4 * mc.vocab_size  # float32: logits, processed, probabilities, scoring

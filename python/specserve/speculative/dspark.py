@@ -308,7 +308,7 @@ def _activation_bytes(
     logits (float32, with the probabilities and the Markov-corrected copies)
     and its context K/V gathered for one draft layer at full context."""
     r = config.scheduler.max_running_requests
-    elem = torch.empty((), dtype=runner.dtype).element_size()
+    elem = runner.dtype.itemsize
     logits = r * block * dcfg.vocab_size * 4 * 4
     context = 2 * r * runner.context_length * dcfg.num_key_value_heads * dcfg.head_dim * elem
     return int(1.25 * (logits + context))
