@@ -269,7 +269,7 @@ def round_profile(engines, prompts, sp, args, root: str) -> int:
             wrap(model, "block_hidden", "  draft layers over the block")
             wrap(model, "draft", "  lm_head + Markov steps")
             wrap(spec.proposer, "_flush", "  context K/V of new tokens")
-            wrap(spec.proposer, "_gather_context", "  gathering the context")
+            wrap(spec.proposer, "_paged_attend", "  planning the paged block attention")
         return spent
 
     names = ["plain", "DSPARK"]

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from models_zoo import model_path
 from specserve.config import EngineConfig
 from specserve.engine.request import Req
+from specserve.kernels.dispatch import HAS_TRITON
 from specserve.runner.model_runner import ModelRunner
 from specserve.sampling.params import SamplingParams
 from specserve.speculative.dspark import DSparkProposer
@@ -53,10 +54,20 @@ def features(n: int, width: int, seed: int) -> torch.Tensor:
     return torch.randn(n, width, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_cached_rounds_equal_a_from_scratch_forward(drafters, kind) -> None:
+@pytest.mark.parametrize(
+    ("kind", "backend"),
+    [*((k, "torch_native") for k in KINDS), ("rnn", "triton")],
+)
+def test_cached_rounds_equal_a_from_scratch_forward(drafters, kind, backend) -> None:
+    """The block read from the draft pool by the paged attention backends
+    (``backend``; Triton under the interpreter) against a dense forward."""
+    if backend == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
     # A tiny threshold: confidences are computed (and compared) but cut nothing.
-    prop, _ = proposer_for(drafters[kind], speculative_dspark_confidence_threshold=1e-9)
+    prop, _ = proposer_for(
+        drafters[kind], speculative_dspark_confidence_threshold=1e-9, attention_backend=backend
+    )
+    assert type(prop.attn_backend).__name__.lower().startswith(backend[:5])
     model = prop.model
     width = model.fc.in_features
     block = prop.max_drafts
@@ -85,6 +96,27 @@ def test_cached_rounds_equal_a_from_scratch_forward(drafters, kind) -> None:
             start = r.seq_len - 1
             prop.on_target_features(r, start, feats[r.rid][start : start + 2])
             r.output_ids += [50, 51]
+    for r in reqs:
+        prop.release(r)
+    assert prop.block_pool.free_pages() == prop.block_pool.total_pages()
+
+
+def test_blocks_fit_beside_a_full_target_pool(drafters) -> None:
+    """The worst legal case: every target page taken by running requests whose
+    anchor is the last position they hold (no room reserved for drafts near
+    their token limit). Each block still gets draft slots past its context."""
+    prop, runner = proposer_for(drafters["vanilla"], max_running_requests=32)
+    ps, block = runner.page_size, prop.max_drafts
+    n = runner.num_pages // 32 * ps  # positions each request holds on the target
+    width = prop.model.fc.in_features
+    sp = SamplingParams(temperature=0.0)
+    reqs = [Req(f"r{i}", [5] * (n - 1), sp) for i in range(32)]
+    for i, r in enumerate(reqs):
+        prop.on_target_features(r, 0, features(n - 1, width, i))
+        r.output_ids = [40]  # the anchor sits at position n - 1
+    assert sum(prop.block_pool.pages_for(r.seq_len) for r in reqs) == runner.num_pages
+    got = prop.propose(reqs, [block] * 32)
+    assert [len(t) for t in got.tokens] == [block] * 32
     for r in reqs:
         prop.release(r)
     assert prop.block_pool.free_pages() == prop.block_pool.total_pages()

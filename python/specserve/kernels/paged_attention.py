@@ -1,9 +1,10 @@
 """Paged attention straight from the KV pool: decode rows, prefill chunks over
-a cached prefix and verify chains, in one kernel.
+a cached prefix and verify chains, in one kernel; also the drafter's blocks.
 
 Every query token of request ``b`` sits at position ``kv_len[b] - q_len[b] + i``
-and attends to ``b``'s keys at positions up to its own (causal), read through
-the request's page table: slot = ``page_table[b, pos // page_size] *
+and attends to ``b``'s keys at positions up to its own (causal), or, for a
+non-causal batch (a DSpark draft block that sees itself whole), to all
+``kv_len[b]`` of them, read through the request's page table: slot = ``page_table[b, pos // page_size] *
 page_size + pos % page_size``, the KV pool's layout. Nothing is gathered into
 a dense copy first (the torch backend copies every page it reads, about three
 times the memory traffic, growing with batch x context).
@@ -13,7 +14,7 @@ head; the ``G`` query heads that share the KV head are packed as rows of the
 tile, so GQA reads each key once per tile. The softmax is online (running max
 and sum, FlashAttention style), in float32; inputs may be float32, bf16 or
 fp16. ``paged_attention_ref`` is the torch reference: per request, a dense
-gather and a causal softmax in float32.
+gather and a (causal) softmax in float32.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class PagedLayout:
     tiles: torch.Tensor  # [n_tiles, 2] int32: (request, first query of the tile)
     block_q: int  # query tokens per tile
     page_size: int
+    causal: bool = True  # False: every query sees all kv_len keys of its request
 
 
 # Query rows (tokens x heads of a group) per tile: bounds the accumulator.
@@ -52,6 +54,7 @@ def plan_layout(
     page_size: int,
     device: torch.device,
     group: int = 1,
+    causal: bool = True,
 ) -> PagedLayout:
     """Host-side plan (``group``: query heads per KV head): one small copy per
     tensor, no device reads."""
@@ -79,6 +82,7 @@ def plan_layout(
         tiles=as_int32(tiles),
         block_q=block_q,
         page_size=page_size,
+        causal=causal,
     )
 
 
@@ -91,9 +95,10 @@ def paged_attention_ref(
     page_tables: list[list[int]],
     page_size: int,
     scale: float | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Torch reference: per request, gather its keys densely and attend causally
-    in float32. Returns ``[T, H, D]`` in q's dtype."""
+    """Torch reference: per request, gather its keys densely and attend in
+    float32 (causally, or to every key). Returns ``[T, H, D]`` in q's dtype."""
     h, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -107,8 +112,9 @@ def paged_attention_ref(
         v = v_cache[slots].float().repeat_interleave(h // hkv, dim=1)
         qs = q[row : row + q_len].float()  # [q_len, H, D]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale  # [H, q_len, L]
-        qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        scores = scores.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+        if causal:
+            qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+            scores = scores.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
         o = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
         out[row : row + q_len] = o.to(q.dtype)
         row += q_len
@@ -143,6 +149,7 @@ if HAS_TRITON:
         ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
+        CAUSAL: tl.constexpr,
         PRECISION: tl.constexpr,
         DOT_F32: tl.constexpr,
     ):
@@ -160,7 +167,8 @@ if HAS_TRITON:
         qi = q0 + r // G
         head = kv_head * G + r % G
         row_ok = (r < BLOCK_Q * G) & (qi < q_len)
-        qpos = kv_len - q_len + qi  # [ROWS]: the last key position each row sees
+        # [ROWS]: the last key position each row sees
+        qpos = kv_len - q_len + qi if CAUSAL else kv_len - 1 + 0 * qi
         d = tl.arange(0, D_PAD)
         d_ok = d < D
         q_rows = q_start + qi.to(tl.int64)
@@ -176,7 +184,7 @@ if HAS_TRITON:
         s = tl.full([ROWS], 0.0, tl.float32)
         acc = tl.zeros([ROWS, D_PAD], dtype=tl.float32)
         # Keys past the tile's last query position are never seen.
-        last = kv_len - q_len + tl.minimum(q0 + BLOCK_Q, q_len)
+        last = kv_len - q_len + tl.minimum(q0 + BLOCK_Q, q_len) if CAUSAL else kv_len
         for start in range(0, last, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < last
@@ -275,6 +283,7 @@ def paged_attention_triton(
         ROWS=rows,
         BLOCK_N=block_n,
         PAGE_SIZE=layout.page_size,
+        CAUSAL=layout.causal,
         # float32 models get float32 products (not TF32): logprobs must match.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=interpreted(),

@@ -4,7 +4,10 @@ The runner describes a ragged batch once per forward (``AttentionMetadata``);
 every layer then calls ``backend.forward``. A query token at position ``p``
 attends to the keys at positions ``<= p`` of its own request, which covers
 EXTEND (a prefill chunk after a cached prefix), DECODE (one token) and VERIFY
-(a chain that is causal inside itself and sees the cached prefix).
+(a chain that is causal inside itself and sees the cached prefix). A
+non-causal batch (``causal=False``: the DSpark drafter's blocks, which see
+themselves whole) attends to every key of its request. The target and the
+drafter read their pools through these same backends.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class AttentionMetadata:
     kv_lens: list[int]  # cached prefix + new tokens per request
     page_tables: list[list[int]]  # pages of each request, covering kv_lens
     page_size: int
+    causal: bool = True  # False: every query sees all kv_len keys of its request
     # Whatever the backend precomputes once per forward for all layers.
     plan: object = field(default=None)
 
@@ -72,6 +76,7 @@ class _TorchPlan:
     # Requests with several query tokens, one SDPA call each: (first token row,
     # q_len, kv_len, pages to gather or None when nothing was cached before).
     multi: list[tuple[int, int, int, torch.Tensor | None]]
+    causal: bool = True
     # Short chains over a cached prefix (speculative verify), batched with padding.
     chain_index: torch.Tensor | None = None  # [Bc, Qmax] token rows (padding repeats a row)
     chain_valid: torch.Tensor | None = None  # [Bc, Qmax] bool: a real query
@@ -124,7 +129,7 @@ class TorchAttentionBackend(AttentionBackend):
             single_bias = padding_bias(past, self.kv_pool.dtype, device)[:, None, None, :]
             if len(single_ids) != len(meta.q_lens):
                 single_rows = torch.tensor([starts[i] for i in single_ids], device=device)
-        plan = _TorchPlan(single_rows, single_pages, single_bias, multi)
+        plan = _TorchPlan(single_rows, single_pages, single_bias, multi, causal=meta.causal)
         if chain_ids:
             self._plan_chains(plan, meta, chain_ids, starts)
         meta.plan = plan
@@ -145,13 +150,13 @@ class TorchAttentionBackend(AttentionBackend):
         valid = offs[None, :] < q_len_t[:, None]  # [Bc, Qmax]
         first = torch.tensor([starts[i] for i in ids])
         index = first[:, None] + torch.minimum(offs[None, :], q_len_t[:, None] - 1)
-        # Query i of a chain sits at kv_len - q_len + i and sees keys up to there;
-        # padding queries repeat the last real one (their output is dropped).
-        qpos = (
-            torch.tensor(kv_lens)[:, None]
-            - q_len_t[:, None]
-            + torch.minimum(offs[None, :], q_len_t[:, None] - 1)
-        )
+        # Query i of a chain sits at kv_len - q_len + i and sees keys up to there
+        # (all of them when not causal); padding queries repeat the last real one
+        # (their output is dropped).
+        last = torch.tensor(kv_lens)[:, None] - 1
+        qpos = last - q_len_t[:, None] + 1 + torch.minimum(offs[None, :], q_len_t[:, None] - 1)
+        if not meta.causal:
+            qpos = last.expand(-1, qmax)
         mask = torch.arange(width * ps)[None, None, :] <= qpos[:, :, None]  # [Bc, Qmax, P*ps]
         plan.chain_index = index.to(device)
         plan.chain_valid = valid.to(device)
@@ -197,13 +202,17 @@ class TorchAttentionBackend(AttentionBackend):
             if pages is None:
                 km = k[start : start + q_len].transpose(0, 1)  # [Hkv, q_len, D]
                 vm = v[start : start + q_len].transpose(0, 1)
-                o = F.scaled_dot_product_attention(qm, km, vm, is_causal=True, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(
+                    qm, km, vm, is_causal=plan.causal, enable_gqa=gqa
+                )
             else:
                 km = self._gather(k_cache, pages, ps).transpose(0, 1)  # [Hkv, P * ps, D]
                 vm = self._gather(v_cache, pages, ps).transpose(0, 1)
                 # Bottom-right aligned causal mask: query i sits at kv_len - q_len + i;
                 # the gathered tail past kv_len is masked by the same test.
                 qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+                if not plan.causal:
+                    qpos = qpos.clamp(min=kv_len - 1)
                 mask = torch.arange(km.shape[1], device=q.device)[None, :] <= qpos[:, None]
                 o = F.scaled_dot_product_attention(qm, km, vm, attn_mask=mask, enable_gqa=gqa)
             out[start : start + q_len] = o.transpose(0, 1)
@@ -243,6 +252,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.page_size,
             meta.positions.device,
             self.group,
+            meta.causal,
         )
 
     def forward(
@@ -256,12 +266,17 @@ class TritonAttentionBackend(AttentionBackend):
 ATTENTION_BACKENDS = ("triton", "torch_native")
 
 
+def attention_backend_name(name: str | None, device: torch.device) -> str:
+    """``name`` None: Triton on CUDA (when installed), torch elsewhere."""
+    if name is None:
+        return "triton" if device.type == "cuda" and HAS_TRITON else "torch_native"
+    return name
+
+
 def make_attention_backend(
     name: str | None, kv_pool: KVPool, num_heads: int, device: torch.device
 ) -> AttentionBackend:
-    """``name`` None: Triton on CUDA (when installed), torch elsewhere."""
-    if name is None:
-        name = "triton" if device.type == "cuda" and HAS_TRITON else "torch_native"
+    name = attention_backend_name(name, device)
     if name == "triton":
         if not HAS_TRITON:
             raise ValueError("attention_backend: triton is not installed")

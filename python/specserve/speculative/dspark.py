@@ -6,6 +6,12 @@ each verify round (only committed rows), are turned into context K/V on the
 next draft, and live in pages of a draft KV pool that are freed with the
 request (finish, abort or preemption; a recomputed request rebuilds its
 context from freshly captured features, never from stale slots).
+
+The block reads that pool through the target's attention backends (the
+paged Triton kernel on CUDA), as a non-causal batch: each layer writes the
+block's own K/V into the slots past the context (scratch, overwritten by
+real context K/V once those positions are committed) and attends to the
+context and the whole block in one call.
 """
 
 from __future__ import annotations
@@ -24,12 +30,12 @@ from specserve.config import EngineConfig
 from specserve.engine.batch import BatchEntry, ForwardMode, ScheduledBatch
 from specserve.engine.request import Req
 from specserve.host import HostStaging
-from specserve.layers.attention import padding_bias
+from specserve.layers.attention import AttentionMetadata, make_attention_backend
 from specserve.models.loader import checkpoint_files, load_state, materialize
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.base import DraftProposal, Proposer
 from specserve.speculative.confidence import SpsTable, budget_lengths, profile_sps, static_lengths
-from specserve.speculative.dspark_model import DSparkConfig, DSparkDraftModel
+from specserve.speculative.dspark_model import Attend, DSparkConfig, DSparkDraftModel
 
 logger = logging.getLogger(__name__)
 
@@ -60,15 +66,18 @@ class DSparkProposer(Proposer):
         threshold: float = 0.0,
         sps: SpsTable | None = None,
         seed: int = 0,
+        attention_backend: str | None = None,
     ) -> None:
         self.model = model
         self.max_drafts = block_size
         self.capture_layer_ids = model.config.target_layer_ids
         self.kv_pool = kv_pool
         self.block_pool = block_pool
+        device = model.fc.weight.device
+        heads = model.config.num_attention_heads
+        self.attn_backend = make_attention_backend(attention_backend, kv_pool, heads, device)
         self.threshold = threshold
         self.sps = sps  # budget mode when set
-        device = model.fc.weight.device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed + 1)
         self.staging = HostStaging(device)
@@ -114,11 +123,12 @@ class DSparkProposer(Proposer):
         spec = config.spec
         loaded = loaded or cls.load(config, runner)
         model, dcfg, block = loaded.model, loaded.config, loaded.block_size
+        pages = runner.num_pages + scratch_pages(config, block)
         kv = KVPool(
-            dcfg.num_hidden_layers, runner.num_pages, runner.page_size,
+            dcfg.num_hidden_layers, pages, runner.page_size,
             dcfg.num_key_value_heads, dcfg.head_dim, runner.dtype, runner.device,
         )  # fmt: skip
-        blocks = BlockPool(runner.num_pages, runner.page_size)
+        blocks = BlockPool(pages, runner.page_size)
         sps = None
         if spec.schedule == "budget" and not model.use_confidence:
             logger.warning("budget scheduling needs a confidence head; verifying whole blocks")
@@ -130,7 +140,10 @@ class DSparkProposer(Proposer):
                 sps = profile_runner(runner, block, config.scheduler.max_running_requests)
                 if path:  # profiled once, reused by later starts
                     sps.save(path)
-        return cls(model, block, kv, blocks, spec.confidence_threshold, sps, config.random_seed)
+        return cls(
+            model, block, kv, blocks, spec.confidence_threshold, sps, config.random_seed,
+            config.attention_backend,
+        )  # fmt: skip
 
     # ---- state -------------------------------------------------------------------
 
@@ -158,13 +171,7 @@ class DSparkProposer(Proposer):
         for r in todo:
             st = r.draft_state
             end = st.ctx_len + st.pending_len
-            need = self.block_pool.pages_for(end) - len(st.pages)
-            if need > 0:
-                pages = self.block_pool.allocate(need)
-                # Never fails: a request's draft context is shorter than its
-                # target KV, and both pools hold the same number of pages.
-                assert pages is not None, "draft KV pool exhausted"
-                st.pages.extend(pages)
+            self._cover(st, end)
             feats.extend(st.pending)
             pos = range(st.ctx_len, end)
             positions.extend(pos)
@@ -180,31 +187,54 @@ class DSparkProposer(Proposer):
             st = r.draft_state
             st.ctx_len, st.pending, st.pending_len = st.ctx_len + st.pending_len, [], 0
 
-    def _gather_context(
-        self, reqs: Sequence[Req]
-    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """Per layer padded context K/V ``[R, L, Hkv, D]`` and the padding bias ``[R, L]``."""
-        ps = self.block_pool.page_size
+    def _cover(self, st: DSparkState, length: int) -> None:
+        """Pages for ``st``'s positions ``[0, length)``."""
+        need = self.block_pool.pages_for(length) - len(st.pages)
+        if need > 0:
+            pages = self.block_pool.allocate(need)
+            # Never fails: a request's draft context is shorter than its target
+            # KV, and the draft pool has the target's pages plus every running
+            # request's block (see scratch_pages).
+            assert pages is not None, "draft KV pool exhausted"
+            st.pages.extend(pages)
+
+    def _block_metadata(self, reqs: Sequence[Req]) -> AttentionMetadata:
+        """The blocks as one non-causal paged batch: request ``i``'s block sits at
+        positions ``ctx_len .. ctx_len + gamma - 1`` of its draft pages."""
+        g, ps = self.max_drafts, self.block_pool.page_size
+        positions, slots, kv_lens = [], [], []
+        for r in reqs:
+            st = r.draft_state
+            end = st.ctx_len + g
+            self._cover(st, end)
+            pos = range(st.ctx_len, end)
+            positions.extend(pos)
+            slots.extend(st.pages[p // ps] * ps + p % ps for p in pos)
+            kv_lens.append(end)
         device = self.model.fc.weight.device
-        width = max(1, max(len(r.draft_state.pages) for r in reqs))
-        table = torch.tensor(
-            [r.draft_state.pages + [0] * (width - len(r.draft_state.pages)) for r in reqs]
+        return AttentionMetadata(
+            positions=torch.tensor(positions).to(device, non_blocking=True),
+            slot_mapping=torch.tensor(slots).to(device, non_blocking=True),
+            q_lens=[g] * len(reqs),
+            kv_lens=kv_lens,
+            page_tables=[r.draft_state.pages for r in reqs],
+            page_size=ps,
+            causal=False,
         )
-        lens = torch.tensor([r.draft_state.ctx_len for r in reqs])
-        past = torch.arange(width * ps)[None, :] >= lens[:, None]
-        bias = padding_bias(past, self.kv_pool.dtype, device)  # [R, L]
-        table = table.to(device)
-        ctx = []
-        for layer in range(len(self.model.layers)):
-            k, v = self.kv_pool.k[layer], self.kv_pool.v[layer]
-            shape = (len(reqs), width * ps, *k.shape[1:])
-            ctx.append(
-                (
-                    k.view(-1, ps, *k.shape[1:]).index_select(0, table.flatten()).view(shape),
-                    v.view(-1, ps, *v.shape[1:]).index_select(0, table.flatten()).view(shape),
-                )
-            )
-        return ctx, bias
+
+    def _paged_attend(self, meta: AttentionMetadata) -> Attend:
+        backend = self.attn_backend
+        backend.prepare(meta)
+
+        def attend(layer: int, q: torch.Tensor, bk: torch.Tensor, bv: torch.Tensor) -> torch.Tensor:
+            rows = q.shape[0] * q.shape[1]
+            o = backend.forward(
+                layer, q.reshape(rows, *q.shape[2:]), bk.reshape(rows, *bk.shape[2:]),
+                bv.reshape(rows, *bv.shape[2:]), meta,
+            )  # fmt: skip
+            return o.view(q.shape)
+
+        return attend
 
     # ---- proposing ---------------------------------------------------------------
 
@@ -216,10 +246,10 @@ class DSparkProposer(Proposer):
                 "the draft context must cover every position before the anchor"
             )
         device = self.model.fc.weight.device
-        ctx, bias = self._gather_context(reqs)
+        attend = self._paged_attend(self._block_metadata(reqs))
         anchors = torch.tensor([r.output_ids[-1] for r in reqs], device=device)
         starts = torch.tensor([r.seq_len - 1 for r in reqs], device=device)
-        hidden = self.model.block_hidden(anchors, starts, ctx, bias, self.max_drafts)
+        hidden = self.model.block_hidden(anchors, starts, attend, self.max_drafts)
         temps = torch.tensor(
             [r.sampling.temperature if not r.sampling.greedy else 0.0 for r in reqs], device=device
         )
@@ -301,17 +331,31 @@ def load_draft_model(
     return model.requires_grad_(False).eval()
 
 
+def scratch_pages(config: EngineConfig, block: int) -> int:
+    """Draft pages beyond the target's: a block is written past its request's
+    context, up to ``block`` positions further than the target has reserved."""
+    ps = config.cache.page_size
+    return config.scheduler.max_running_requests * -(-block // ps)
+
+
 def _activation_bytes(
     config: EngineConfig, dcfg: DSparkConfig, block: int, runner: ModelRunner
 ) -> int:
     """An upper estimate of a drafting step: every running request's block
-    logits (float32, with the probabilities and the Markov-corrected copies)
-    and its context K/V gathered for one draft layer at full context."""
+    logits (float32, with the probabilities and the Markov-corrected copies),
+    the draft pool's scratch pages, and with the torch attention backend its
+    context K/V gathered for one draft layer at full context."""
     r = config.scheduler.max_running_requests
     elem = runner.dtype.itemsize
     logits = r * block * dcfg.vocab_size * 4 * 4
-    context = 2 * r * runner.context_length * dcfg.num_key_value_heads * dcfg.head_dim * elem
-    return int(1.25 * (logits + context))
+    scratch = scratch_pages(config, block) * KVPool.bytes_per_page(
+        dcfg.num_hidden_layers, runner.page_size, dcfg.num_key_value_heads, dcfg.head_dim,
+        runner.dtype,
+    )  # fmt: skip
+    context = 0
+    if config.attention_backend == "torch_native":
+        context = 2 * r * runner.context_length * dcfg.num_key_value_heads * dcfg.head_dim * elem
+    return int(1.25 * (logits + context)) + scratch
 
 
 def profile_runner(runner: ModelRunner, block: int, max_running: int) -> SpsTable:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,26 +172,46 @@ class DraftAttention(nn.Module):
         self,
         x: torch.Tensor,  # [R, G, d] block
         positions: torch.Tensor,  # [R, G]
-        ctx_k: torch.Tensor,  # [R, L, Hkv, D]
-        ctx_v: torch.Tensor,
-        ctx_bias: torch.Tensor,  # [R, L]: 0 for a real context position, -inf for padding
+        layer: int,
+        attend: Attend,
         rotary: RotaryEmbedding,
     ) -> torch.Tensor:
         r, g, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(r, g, self.num_heads, self.head_dim))
         q = _rope(rotary, positions, q)
         bk, bv = self.kv(x, positions, rotary)
-        k = torch.cat([ctx_k, bk], dim=1).transpose(1, 2)  # [R, Hkv, L + G, D]
-        v = torch.cat([ctx_v, bv], dim=1).transpose(1, 2)
+        o = attend(layer, q, bk, bv)  # [R, G, H, D]
+        return self.o_proj(o.reshape(r, g, -1))
+
+
+# (layer, q [R, G, H, D], the block's k / v [R, G, Hkv, D]) -> [R, G, H, D]:
+# each block sees its context and the whole block, without a causal mask.
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def dense_attend(
+    ctx: list[tuple[torch.Tensor, torch.Tensor]],  # per layer [R, L, Hkv, D]
+    ctx_bias: torch.Tensor,  # [R, L]: 0 for a real context position, -inf for padding
+) -> Attend:
+    """Attention over dense context K/V (training, and the test oracle; serving
+    reads the draft pool through the paged attention backends)."""
+
+    def attend(layer: int, q: torch.Tensor, bk: torch.Tensor, bv: torch.Tensor) -> torch.Tensor:
+        ck, cv = ctx[layer]
+        r, g = q.shape[:2]
+        k = torch.cat([ck, bk], dim=1).transpose(1, 2)  # [R, Hkv, L + G, D]
+        v = torch.cat([cv, bv], dim=1).transpose(1, 2)
         bias = torch.cat([ctx_bias, ctx_bias.new_zeros(r, g)], dim=1)[:, None, None, :]
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k,
             v,
             attn_mask=bias.to(q.dtype),
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # [R, H, G, D]: non-causal, the whole block sees itself
-        return self.o_proj(o.transpose(1, 2).reshape(r, g, -1))
+            enable_gqa=q.shape[2] != k.shape[1],
+        )  # [R, H, G, D]
+        return o.transpose(1, 2)
+
+    return attend
 
 
 def _rope(rotary: RotaryEmbedding, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -268,8 +289,7 @@ class DSparkDraftModel(nn.Module):
         self,
         anchors: torch.Tensor,  # [R]
         starts: torch.Tensor,  # [R]: each anchor's position p
-        ctx: list[tuple[torch.Tensor, torch.Tensor]],  # per layer [R, L, Hkv, D] padded
-        ctx_bias: torch.Tensor,  # [R, L]
+        attend: Attend,
         block_size: int,
     ) -> torch.Tensor:
         """Final-normed outputs ``[R, gamma, d]`` of the blocks ``[anchor, mask...]``."""
@@ -278,10 +298,8 @@ class DSparkDraftModel(nn.Module):
         ids[:, 0] = anchors
         positions = starts[:, None] + torch.arange(block_size, device=anchors.device)  # [R, G]
         x = self.embed_tokens(ids)
-        for layer, (ck, cv) in zip(self.layers, ctx):
-            x = x + layer.self_attn(
-                layer.input_layernorm(x), positions, ck, cv, ctx_bias, self.rotary
-            )
+        for i, layer in enumerate(self.layers):
+            x = x + layer.self_attn(layer.input_layernorm(x), positions, i, attend, self.rotary)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
@@ -361,7 +379,7 @@ class DSparkDraftModel(nn.Module):
         bias = torch.zeros(past.shape, device=past.device).masked_fill(past, float("-inf"))
         tokens = input_ids.gather(1, anchors)  # [B, A]
         hidden = self.block_hidden(
-            tokens.flatten(), anchors.flatten(), ctx, bias.view(b * a, t), block_size
+            tokens.flatten(), anchors.flatten(), dense_attend(ctx, bias.view(b * a, t)), block_size
         )
         return hidden.view(b, a, block_size, -1)
 
@@ -403,7 +421,7 @@ class DSparkDraftModel(nn.Module):
         bias = features.new_zeros(1, p)
         anchors = torch.tensor([anchor], device=features.device)
         starts = torch.tensor([p], device=features.device)
-        return self.block_hidden(anchors, starts, ctx, bias, block_size)[0]
+        return self.block_hidden(anchors, starts, dense_attend(ctx, bias), block_size)[0]
 
 
 def _draw(
