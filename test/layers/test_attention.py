@@ -76,10 +76,13 @@ def test_mixed_batch_matches_dense_attention(dtype) -> None:
         row += n
 
 
-@pytest.mark.parametrize("spec", [None, "NGRAM"], ids=["plain", "ngram-verify"])
-def test_engine_on_the_triton_backend_equals_the_torch_backend(spec) -> None:
-    """Prefill chunks, decode rows and verify chains through the paged kernel
-    (the interpreter here): the same tokens and logprobs as the SDPA backend."""
+@pytest.mark.parametrize(
+    "spec", [None, "NGRAM", "DSPARK"], ids=["plain", "ngram-verify", "dspark-blocks"]
+)
+def test_engine_on_the_triton_backend_equals_the_torch_backend(spec, tmp_path) -> None:
+    """Prefill chunks, decode rows and verify chains (and DSpark's non-causal
+    draft blocks over the draft pool) through the paged kernel (the
+    interpreter here): the same tokens and logprobs as the SDPA backend."""
     from models_zoo import model_path, random_prompts
     from specserve import Engine
     from specserve.kernels.dispatch import HAS_TRITON
@@ -89,6 +92,12 @@ def test_engine_on_the_triton_backend_equals_the_torch_backend(spec) -> None:
     # The repeated pattern gives the n-gram proposer drafts: real verify chains.
     prompts = [*random_prompts(3, [5, 21, 9], seed=71), [5, 6, 7, 8] * 4]
     kw = {"speculative_algorithm": spec} if spec else {}
+    if spec == "DSPARK":
+        from specserve.tools.tiny_model import make_tiny_dspark
+
+        kw["speculative_draft_model_path"] = make_tiny_dspark(
+            str(tmp_path / "d"), model_path("qwen3"), num_layers=2
+        )
     results = {}
     for backend in ("torch_native", "triton"):
         eng = Engine(
@@ -101,9 +110,10 @@ def test_engine_on_the_triton_backend_equals_the_torch_backend(spec) -> None:
             **kw,
         )
         try:
-            assert type(eng.runner.attn_backend).__name__.startswith(
-                "Triton" if backend == "triton" else "Torch"
-            )
+            want = "Triton" if backend == "triton" else "Torch"
+            assert type(eng.runner.attn_backend).__name__.startswith(want)
+            if spec == "DSPARK":
+                assert type(eng.proposer.attn_backend).__name__.startswith(want)
             drafted: list[int] = []
             if spec:
                 propose = eng.proposer.propose
