@@ -307,7 +307,7 @@ def round_profile(engines, prompts, sp, args, root: str) -> int:
             "  draft layers over the block",
             "  lm_head + Markov steps",
             "  context K/V of new tokens",
-            "  gathering the context",
+            "  planning the paged block attention",
             "chain verification",
         )
     ]
