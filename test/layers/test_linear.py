@@ -28,6 +28,28 @@ def test_bf16_weights_give_unrounded_float32_logits(shape) -> None:
     torch.testing.assert_close(head(x), out * 2, atol=1e-4, rtol=0)
 
 
+def test_post_load_lays_the_cpu_head_k_major_and_keeps_every_value() -> None:
+    """Shape and values stay (a tied embedding reads the same rows); only the
+    strides change, and the logits equal a plain float64 product."""
+    g = torch.Generator().manual_seed(1)
+    emb = torch.nn.Embedding(1000, 64)
+    head = LogitsHead(64, 1000)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(1000, 64, generator=g))
+    head.weight = emb.weight  # tied
+    before = emb.weight.detach().clone()
+    head.post_load()
+    assert head.weight.shape == (1000, 64) and head.weight.stride() == (1, 1000)
+    assert torch.equal(emb.weight, before)
+    ids = torch.tensor([3, 999, 0])
+    assert torch.equal(emb(ids), before[ids])
+    x = torch.randn(7, 64, generator=g)
+    exact = x.double() @ before.double().t()
+    assert (head(x).double() - exact).abs().max() < 1e-4
+    head.post_load()  # idempotent
+    assert head.weight.stride() == (1, 1000)
+
+
 @pytest.mark.gpu
 def test_cuda_bf16_logits_are_float32_accumulated() -> None:
     g = torch.Generator().manual_seed(0)

@@ -48,12 +48,11 @@ DEFAULT_BLOCK_V = 1024
 
 
 def _argmax_lowest(x: torch.Tensor) -> torch.Tensor:
-    """Row argmax of ``[R, V]`` with ties resolved to the lowest index, spelt out."""
-    x = x.float()
-    x = x.masked_fill(x.isnan(), float("-inf"))  # NaN is never the argmax (both paths)
-    best = x.max(dim=-1, keepdim=True).values  # [R, 1]
-    idx = torch.arange(x.shape[-1], device=x.device).expand_as(x)  # [R, V]
-    return torch.where(x == best, idx, x.shape[-1]).min(dim=-1).values  # [R]
+    """Row argmax of ``[R, V]``, ties to the lowest index (``torch.argmax``
+    returns the first maximum on every device); NaN is never the argmax (both
+    paths), so it counts as -inf."""
+    inf = float("inf")
+    return torch.nan_to_num(x.float(), nan=-inf, posinf=inf, neginf=-inf).argmax(dim=-1)  # [R]
 
 
 def greedy_verify_ref(

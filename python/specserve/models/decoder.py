@@ -150,6 +150,7 @@ class DecoderForCausalLM(nn.Module):
         """Rebuilds state derived from the weights; the loader calls it."""
         for layer in self.model.layers:
             layer.self_attn.post_load()
+        self.lm_head.post_load()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, d]`` -> float32 logits ``[R, V]`` (accumulated in float32)."""

@@ -328,6 +328,7 @@ def load_draft_model(
     load_state(
         model, checkpoint_files(path), f"{dcfg.num_hidden_layers}-layer DSpark drafter", skip
     )
+    model.post_load()
     return model.requires_grad_(False).eval()
 
 

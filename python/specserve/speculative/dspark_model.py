@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig, RopeConfig, parse_rope
-from specserve.layers.linear import LogitsHead
+from specserve.layers.linear import LogitsHead, k_major_
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
 
@@ -124,17 +124,19 @@ class MarkovHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """``prev [n]`` token before the slot, ``h [n, d]`` the slot's output ->
         logit correction ``[n, V]``, the next state, and ``W1[prev] [n, r]``."""
-        e = self.markov_w1(prev)  # [n, r]
+        # F.* on the weights: module calls cost more than these small ops.
+        w2 = self.markov_w2.weight
+        e = F.embedding(prev, self.markov_w1.weight)  # [n, r]
         if self.kind == "vanilla":
-            return self.markov_w2(e), state, e
+            return F.linear(e, w2), state, e
         if self.kind == "gated":
             g = torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1)))
-            return self.markov_w2(g * e), state, e
+            return F.linear(g * e, w2), state, e
         assert state is not None
         gate, cand, out = self.joint_proj(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)
         keep = torch.sigmoid(gate)
         state = keep * state + (1 - keep) * torch.tanh(cand)
-        return self.markov_w2(torch.tanh(out)), state, e
+        return F.linear(torch.tanh(out), w2), state, e
 
 
 class ConfidenceHead(nn.Module):
@@ -274,6 +276,13 @@ class DSparkDraftModel(nn.Module):
             extra_positions=longer + cfg.block_size,
         )
 
+    def post_load(self) -> None:
+        """After the weights are in: the vocabulary-wide weights K-major on the
+        CPU (see ``k_major_``)."""
+        self.lm_head.post_load()
+        if self.markov_head is not None:
+            k_major_(self.markov_head.markov_w2.weight)
+
     # ---- context ------------------------------------------------------------
 
     def context_kv(
@@ -319,11 +328,11 @@ class DSparkDraftModel(nn.Module):
         greedy) and confidences ``[R, gamma]`` (None without the head).
         ``greedy_rows``: which rows are greedy, as the host knows it (read
         off ``temperatures`` otherwise, at the cost of a device sync)."""
-        base = self.lm_head(hidden).float()  # [R, G, V]
+        base = self.lm_head(hidden)  # [R, G, V] float32
         r, g, vocab = base.shape
         prev = anchors
         state = self.markov_head.init_state(r, hidden) if self.use_markov else None
-        tokens, probs, confs = [], [], []
+        tokens, probs, embeds = [], [], []
         greedy = temperatures <= 0
         if greedy_rows is None:
             greedy_rows = greedy.tolist()  # host read: for callers that do not say (tests)
@@ -331,15 +340,10 @@ class DSparkDraftModel(nn.Module):
         all_greedy = not sampled_rows
         for k in range(g):
             logits = base[:, k]
-            prev_embed = None
             if self.use_markov:
                 bias, state, prev_embed = self.markov_head.step(prev, hidden[:, k], state)
                 logits = logits + bias.float()
-            if self.use_confidence and with_confidence:
-                feats = hidden[:, k]
-                if self.config.confidence_head_with_markov and prev_embed is not None:
-                    feats = torch.cat([feats, prev_embed], dim=-1)
-                confs.append(self.confidence_head(feats))
+                embeds.append(prev_embed)
             if all_greedy:  # no distribution to keep: one-hot drafts
                 choice = logits.argmax(dim=-1)
             else:
@@ -348,8 +352,19 @@ class DSparkDraftModel(nn.Module):
                 probs.append(torch.where(greedy[:, None], F.one_hot(choice, vocab).float(), p))
             tokens.append(choice)
             prev = choice
-        conf = torch.stack(confs, dim=1) if confs else None
+        conf = self._confidence(hidden, embeds) if with_confidence else None
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, conf
+
+    def _confidence(self, hidden: torch.Tensor, embeds: list[torch.Tensor]) -> torch.Tensor | None:
+        """Every slot's confidence at once ``[..., gamma]`` (None without the
+        head): from the slot's output and, with ``confidence_head_with_markov``,
+        ``W1[prev]`` of the token before it (``embeds``, one ``[..., r]`` per slot)."""
+        if not self.use_confidence:
+            return None
+        feats = hidden
+        if self.config.confidence_head_with_markov and embeds:
+            feats = torch.cat([hidden, torch.stack(embeds, dim=-2)], dim=-1)
+        return self.confidence_head(feats)
 
     # ---- training -----------------------------------------------------------
 
@@ -391,23 +406,18 @@ class DSparkDraftModel(nn.Module):
         lead, g = hidden.shape[:-2], hidden.shape[-2]
         h = hidden.reshape(-1, g, hidden.shape[-1])
         p = prev.reshape(-1, g)
-        logits = self.lm_head(h).float()  # [N, G, V]
+        logits = self.lm_head(h)  # [N, G, V] float32
         state = self.markov_head.init_state(h.shape[0], h) if self.use_markov else None
-        corrections, confs = [], []
+        corrections, embeds = [], []
         for k in range(g):
-            prev_embed = None
             if self.use_markov:
                 bias, state, prev_embed = self.markov_head.step(p[:, k], h[:, k], state)
                 corrections.append(bias.float())
-            if self.use_confidence:
-                feats = h[:, k]
-                if self.config.confidence_head_with_markov and prev_embed is not None:
-                    feats = torch.cat([feats, prev_embed], dim=-1)
-                confs.append(self.confidence_head(feats))
+                embeds.append(prev_embed)
         if corrections:
             logits = logits + torch.stack(corrections, dim=1)
-        conf = torch.stack(confs, dim=1).view(*lead, g) if confs else None
-        return logits.view(*lead, g, -1), conf
+        conf = self._confidence(h, embeds)
+        return logits.view(*lead, g, -1), None if conf is None else conf.view(*lead, g)
 
     # ---- reference ----------------------------------------------------------
 
