@@ -22,6 +22,39 @@ class MergedLinear(nn.Linear):
         return param.data.narrow(0, self.offsets[shard], self.out_sizes[shard])
 
 
+class FusedLinears:
+    """Linears that share an input, run as one matmul over their weights side
+    by side. ``fuse_()`` (once the weights are loaded; serving) moves the
+    weights into one tensor and re-points each linear to its rows, so nothing
+    is copied twice; until then (training) the concatenation is made per
+    call, through which gradients reach each linear."""
+
+    def __init__(self, *linears: nn.Linear) -> None:
+        self.linears = linears
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    def fuse_(self) -> None:
+        self.weight, self.bias = self._joined()
+        offset = 0
+        for lin in self.linears:
+            rows = slice(offset, offset + lin.weight.shape[0])
+            lin.weight.data = self.weight[rows]
+            if self.bias is not None:
+                lin.bias.data = self.bias[rows]
+            offset = rows.stop
+
+    def _joined(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        w = torch.cat([lin.weight for lin in self.linears])
+        has_bias = self.linears[0].bias is not None
+        return w, torch.cat([lin.bias for lin in self.linears]) if has_bias else None
+
+    def __call__(self, x: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """``x [..., in]`` -> ``[..., sum(out)]`` (or the output ``rows`` only)."""
+        w, b = (self.weight, self.bias) if self.weight is not None else self._joined()
+        return F.linear(x, w[rows], None if b is None else b[rows])
+
+
 def k_major_(weight: torch.Tensor) -> None:
     """Re-lays a CPU linear weight ``[out, in]`` in place so that ``in`` is the
     outer dimension (the shape and values stay; the strides become

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig, RopeConfig, parse_rope
-from specserve.layers.linear import LogitsHead, k_major_
-from specserve.layers.norm import RMSNorm
+from specserve.layers.activation import gated_act
+from specserve.layers.linear import FusedLinears, LogitsHead, k_major_
+from specserve.layers.norm import RMSNorm, rms_norm
 from specserve.layers.rotary import RotaryEmbedding
 
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -153,6 +154,7 @@ class DraftAttention(nn.Module):
         super().__init__()
         h, kv, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, dim
+        self.eps = cfg.rms_norm_eps
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, h * dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv * dim, bias=bias)
@@ -160,14 +162,31 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(h * dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(dim, cfg.rms_norm_eps)
+        # One matmul for q|k|v of the block (k|v of the context: its last rows).
+        self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
+        self._qk_norm: torch.Tensor | None = None  # [H + Hkv, D], set by post_load
+
+    def post_load(self) -> None:
+        self.qkv.fuse_()
+        self._qk_norm = self._qk_norm_weight()
+
+    def _qk_norm_weight(self) -> torch.Tensor:
+        """q_norm's weight for each q head, then k_norm's for each k head: both
+        norms as one op over the q|k heads."""
+        if self._qk_norm is not None:
+            return self._qk_norm
+        q = self.q_norm.weight.expand(self.num_heads, -1)
+        return torch.cat([q, self.k_norm.weight.expand(self.num_kv_heads, -1)])
 
     def kv(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed, rotated) and values ``[..., Hkv, D]`` of ``x [..., d]``."""
-        shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
-        k = self.k_norm(self.k_proj(x).view(shape))
-        v = self.v_proj(x).view(shape)
+        q_size = self.num_heads * self.head_dim
+        kv = self.qkv(x, slice(q_size, None))
+        kv = kv.view(*x.shape[:-1], 2 * self.num_kv_heads, self.head_dim)
+        k, v = kv.split(self.num_kv_heads, dim=-2)
+        k = rms_norm(k, self._qk_norm_weight()[self.num_heads :], self.eps)
         return _rope(rotary, positions, k), v
 
     def forward(
@@ -179,11 +198,13 @@ class DraftAttention(nn.Module):
         rotary: RotaryEmbedding,
     ) -> torch.Tensor:
         r, g, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(r, g, self.num_heads, self.head_dim))
-        q = _rope(rotary, positions, q)
-        bk, bv = self.kv(x, positions, rotary)
-        o = attend(layer, q, bk, bv)  # [R, G, H, D]
-        return self.o_proj(o.reshape(r, g, -1))
+        n_qk = self.num_heads + self.num_kv_heads
+        heads = self.qkv(x).view(r, g, -1, self.head_dim)  # [R, G, H + 2 * Hkv, D]
+        qk = rms_norm(heads[:, :, :n_qk], self._qk_norm_weight(), self.eps)
+        qk = _rope(rotary, positions, qk)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=-2)
+        o = attend(layer, q, k, heads[:, :, n_qk:])  # [R, G, H, D]
+        return F.linear(o.reshape(r, g, -1), self.o_proj.weight, self.o_proj.bias)
 
 
 # (layer, q [R, G, H, D], the block's k / v [R, G, Hkv, D]) -> [R, G, H, D]:
@@ -237,9 +258,10 @@ class DraftMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return F.linear(gated_act(self.gate_up(x), F.silu), self.down_proj.weight)
 
 
 class DSparkDraftModel(nn.Module):
@@ -280,6 +302,9 @@ class DSparkDraftModel(nn.Module):
         """After the weights are in: the vocabulary-wide weights K-major on the
         CPU (see ``k_major_``)."""
         self.lm_head.post_load()
+        for layer in self.layers:
+            layer.self_attn.post_load()
+            layer.mlp.gate_up.fuse_()
         if self.markov_head is not None:
             k_major_(self.markov_head.markov_w2.weight)
 
