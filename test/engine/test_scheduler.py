@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from specserve.cache.block_pool import BlockPool
 from specserve.config import SchedulerConfig
-from specserve.engine.batch import ForwardMode
 from specserve.engine.request import FinishReason, LogprobOptions, Req, ReqStatus
 from specserve.engine.scheduler import Scheduler
 from specserve.sampling.params import SamplingParams
@@ -39,7 +38,6 @@ def test_chunked_prefill_splits_within_budget_and_decodes_ride_along() -> None:
     b1 = step(s)
     assert [len(e.token_ids) for e in b1.entries] == [3, 3]  # a whole, b's first chunk
     assert [st.sample for st in b1.steps] == [True, False]
-    assert b1.mode is ForwardMode.EXTEND
     b2 = step(s)
     # a decodes one token outside the prefill budget; b gets the next 6.
     assert [(st.req.rid, len(e.token_ids)) for st, e in zip(b2.steps, b2.entries)] == [
@@ -50,7 +48,7 @@ def test_chunked_prefill_splits_within_budget_and_decodes_ride_along() -> None:
     assert [len(e.token_ids) for e in b3.entries] == [1, 1]
     assert [st.sample for st in b3.steps] == [True, True]
     b4 = step(s)
-    assert b4.mode is ForwardMode.DECODE
+    assert all(st.decoding for st in b4.steps)
     assert b4.entries[1].prefix_len == 10 and b4.entries[1].token_ids == b.output_ids[-1:]
 
 

@@ -8,7 +8,7 @@ import torch
 
 from models_zoo import ZOO, hf_logits, hf_model, model_path, random_prompts
 from specserve.config import EngineConfig
-from specserve.engine.batch import BatchEntry, ForwardMode, ScheduledBatch
+from specserve.engine.batch import BatchEntry, ScheduledBatch
 from specserve.runner.model_runner import ModelRunner
 
 TOL = 1e-4
@@ -38,13 +38,12 @@ class Pages:
 
 def run(
     runner: ModelRunner,
-    mode: ForwardMode,
     chunks: list[tuple[list[int], int, list[int]]],
     capture=(),
 ):
     """chunks: (tokens, prefix_len, page_table); returns per-chunk logits of every row."""
     entries = [BatchEntry(t, p, pt, list(range(len(t)))) for t, p, pt in chunks]
-    out = runner.forward(ScheduledBatch(mode, entries, [], tuple(capture)))
+    out = runner.forward(ScheduledBatch(entries, [], tuple(capture)))
     rows = [out.logits[out.row_offsets[i] : out.row_offsets[i + 1]] for i in range(len(chunks))]
     return rows, out
 
@@ -58,12 +57,9 @@ def test_prefill_chunked_decode_and_verify_match_hf(name: str) -> None:
 
     # Chunked prefill: chunk boundaries fall mid-request and mid-page.
     cuts = [5, 6, 9]
-    first, _ = run(
-        runner, ForwardMode.EXTEND, [(p[:c], 0, t) for p, c, t in zip(prompts, cuts, tables)]
-    )
+    first, _ = run(runner, [(p[:c], 0, t) for p, c, t in zip(prompts, cuts, tables)])
     second, _ = run(
         runner,
-        ForwardMode.EXTEND,
         [(p[c:], c, t) for p, c, t in zip(prompts, cuts, tables) if c < len(p)],
     )
     rest = iter(second)
@@ -73,17 +69,13 @@ def test_prefill_chunked_decode_and_verify_match_hf(name: str) -> None:
 
     # Decode: one token per request after the prefill.
     nxt = [[7], [8], [9]]
-    dec, _ = run(
-        runner, ForwardMode.DECODE, [(n, len(p), t) for n, p, t in zip(nxt, prompts, tables)]
-    )
+    dec, _ = run(runner, [(n, len(p), t) for n, p, t in zip(nxt, prompts, tables)])
     for n, p, d in zip(nxt, prompts, dec):
         torch.testing.assert_close(d, hf_logits(name, p + n)[-1:], atol=TOL, rtol=0)
 
     # Verify: ragged chains [anchor, d_1..d_L], causal inside, over the cached prefix.
     chains = [[20, 21, 22, 23], [30], [40, 41]]
-    ver, _ = run(
-        runner, ForwardMode.VERIFY, [(c, len(p) + 1, t) for c, p, t in zip(chains, prompts, tables)]
-    )
+    ver, _ = run(runner, [(c, len(p) + 1, t) for c, p, t in zip(chains, prompts, tables)])
     for c, p, n, v in zip(chains, prompts, nxt, ver):
         torch.testing.assert_close(v, hf_logits(name, p + n + c)[-len(c) :], atol=TOL, rtol=0)
 
@@ -92,7 +84,7 @@ def test_prefill_of_one_request_in_one_chunk_and_single_token_prompt() -> None:
     runner = make_runner("qwen3")
     pages = Pages()
     prompts = [[5], random_prompts(1, [23], seed=3)[0]]
-    rows, _ = run(runner, ForwardMode.EXTEND, [(p, 0, pages.take(len(p))) for p in prompts])
+    rows, _ = run(runner, [(p, 0, pages.take(len(p))) for p in prompts])
     for p, r in zip(prompts, rows):
         torch.testing.assert_close(r, hf_logits("qwen3", p), atol=TOL, rtol=0)
 
@@ -101,7 +93,7 @@ def test_prefill_of_one_request_in_one_chunk_and_single_token_prompt() -> None:
 def test_captured_layers_equal_hf_hidden_states(name: str) -> None:
     runner = make_runner(name)
     prompt = random_prompts(1, [9], seed=5)[0]
-    _, out = run(runner, ForwardMode.EXTEND, [(prompt, 0, Pages().take(9))], capture=(0, 1))
+    _, out = run(runner, [(prompt, 0, Pages().take(9))], capture=(0, 1))
     with torch.no_grad():
         hs = hf_model(name)(torch.tensor([prompt]), output_hidden_states=True).hidden_states
     d = runner.model_config.hidden_size

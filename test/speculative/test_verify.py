@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from specserve.sampling.params import SamplingParams
-from specserve.speculative.verify import target_probs, verify_chain
+from specserve.speculative.verify import Chain, target_probs, verify_chains
 
 
-def run(*args):
-    r = verify_chain(*args)
-    assert r.rows == list(range(r.accept_len + 1)) and len(r.tokens) == r.accept_len + 1
-    return r.tokens, r.accept_len
+def run(logits, drafts, q, params, generator) -> tuple[list[int], int]:
+    """One chain: the committed tokens (accepted drafts + one more) and how
+    many drafts were accepted."""
+    out = verify_chains([Chain(logits, drafts, q, params, generator)])
+    accept, nxt = int(out.accept_len[0]), int(out.next_token[0])
+    return drafts[:accept] + [nxt], accept
 
 
 V = 6

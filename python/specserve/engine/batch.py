@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -10,12 +9,6 @@ import torch
 
 if TYPE_CHECKING:
     from specserve.engine.request import Req
-
-
-class ForwardMode(enum.Enum):
-    EXTEND = "extend"  # prefill chunks (decode requests may ride along with one token)
-    DECODE = "decode"  # one token per request
-    VERIFY = "verify"  # a chain [anchor, d_1..d_L] per request, every row's logits needed
 
 
 @dataclass
@@ -51,7 +44,10 @@ class ReqStep:
 
 @dataclass
 class ScheduledBatch:
-    mode: ForwardMode
+    """One forward's requests. Prefill chunks, decode tokens and verify chains
+    ``[anchor, d_1..d_L]`` mix freely: each entry says what it feeds and which
+    rows' logits come back, and the runner treats them all alike."""
+
     entries: list[BatchEntry]
     steps: list[ReqStep]  # parallel to entries; the runner never reads it
     capture_layer_ids: tuple[int, ...] = field(default=())
@@ -69,6 +65,4 @@ class ScheduledBatch:
     def _subset(self, part: slice) -> ScheduledBatch:
         # Only a scheduled batch is split, never the one speculation made of it,
         # so no step verifies yet.
-        steps = self.steps[part]
-        mode = ForwardMode.DECODE if all(s.decoding for s in steps) else ForwardMode.EXTEND
-        return ScheduledBatch(mode, self.entries[part], steps, self.capture_layer_ids)
+        return ScheduledBatch(self.entries[part], self.steps[part], self.capture_layer_ids)

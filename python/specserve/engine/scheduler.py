@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from specserve.cache.block_pool import BlockPool
 from specserve.config import SchedulerConfig
-from specserve.engine.batch import BatchEntry, ForwardMode, ReqStep, ScheduledBatch
+from specserve.engine.batch import BatchEntry, ReqStep, ScheduledBatch
 from specserve.engine.request import FinishReason, Req, ReqStatus
 
 
@@ -157,7 +157,6 @@ class Scheduler:
     def _build_batch(self, planned: list[tuple[Req, int]]) -> ScheduledBatch:
         entries: list[BatchEntry] = []
         steps: list[ReqStep] = []
-        decode_only = True
         for req, n in planned:
             start, end = req.num_computed, req.num_computed + n
             # Prompt tokens scored in this chunk: q with row q - 1 in [start, end).
@@ -171,9 +170,7 @@ class Scheduler:
             entries.append(BatchEntry(req.tokens_from(start, end), start, req.page_table, rows))
             decoding = n == 1 and sample and num_in == 0 and bool(req.output_ids)
             steps.append(ReqStep(req, q_lo, num_in, sample, decoding=decoding))
-            decode_only &= decoding
-        mode = ForwardMode.DECODE if decode_only else ForwardMode.EXTEND
-        return ScheduledBatch(mode, entries, steps)
+        return ScheduledBatch(entries, steps)
 
     def reap_finished(self) -> list[Req]:
         """Drops finished requests from the running set and frees their pages."""

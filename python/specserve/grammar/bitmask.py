@@ -68,15 +68,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     )
 
 
-@dataclass(frozen=True)
-class ChainMasks:
-    num_legal: int  # leading drafts the grammar accepts (the walk stopped there)
-    terminated: bool  # the walk ended because a draft completed the grammar
-
-
 def fill_chain_masks(
     matcher: GrammarMatcher, drafts: Sequence[int], bitmask: torch.Tensor, start_row: int
-) -> ChainMasks:
+) -> None:
     """Masks for a verify chain ``[anchor, x_1..x_L]`` of one request.
 
     The matcher is at the committed state (the anchor accepted). Row
@@ -89,19 +83,16 @@ def fill_chain_masks(
     """
     matcher.fill_mask(bitmask, start_row)
     legal = 0
-    terminated = False
     try:
         for j, token in enumerate(drafts, start=1):
             if not is_allowed(bitmask, start_row + j - 1, token) or not matcher.accept(token):
                 break
             legal += 1
             if matcher.is_terminated():
-                terminated = True
                 break
             matcher.fill_mask(bitmask, start_row + j)
     finally:  # also when a step fails midway: it may be rerun from this state
         matcher.rollback(legal)
-    return ChainMasks(legal, terminated)
 
 
 @dataclass(frozen=True)

@@ -62,18 +62,27 @@ class Sampler:
         filtered = [i for i, r in enumerate(rows) if r.params.needs_filter]
         if filtered:
             probs[filtered] = filter_probs(probs[filtered], [rows[i].params for i in filtered])
-        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. Seeded
-        # rows draw E from their own generator, so batch-mates never shift them.
-        noise = torch.empty_like(probs)
-        shared = [i for i, g in enumerate(generators) if g is None]
-        if shared:
-            noise[shared] = torch.empty(len(shared), x.shape[1], device=x.device).exponential_(
-                generator=self.generator
-            )
-        for i, g in enumerate(generators):
-            if g is not None:
-                noise[i].exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+        return exponential_race(probs, generators, self.generator)
+
+
+def exponential_race(
+    probs: torch.Tensor,  # [S, V], rows need not be normalised
+    generators: Sequence[torch.Generator | None],
+    shared: torch.Generator | None,
+) -> torch.Tensor:
+    """One draw per row: ``argmax(p / E)`` with ``E ~ Exp(1)`` is a draw from
+    ``p``. Rows with a generator (seeded requests) draw E from it, so
+    batch-mates never shift them; the others share ``shared``, in one call."""
+    noise = torch.empty_like(probs)
+    common = [i for i, g in enumerate(generators) if g is None]
+    if common:
+        noise[common] = torch.empty(
+            len(common), probs.shape[1], dtype=probs.dtype, device=probs.device
+        ).exponential_(generator=shared)
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return (probs / noise).argmax(dim=-1)  # [S]
 
 
 def filter_probs(probs: torch.Tensor, params: list) -> torch.Tensor:

@@ -29,13 +29,6 @@ class DraftProposal:
     confidence: list[list[float]] | None = None
 
 
-@dataclass
-class VerifyResult:
-    tokens: list[int]  # committed: the accepted drafts, then the corrected or bonus token
-    accept_len: int  # accepted drafts
-    rows: list[int]  # the verify-logits row that scored each committed token
-
-
 class Proposer(ABC):
     # Target layers whose outputs the proposer needs, captured per token.
     capture_layer_ids: tuple[int, ...] = ()

@@ -27,7 +27,7 @@ import torch
 from specserve.cache.block_pool import BlockPool
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig
-from specserve.engine.batch import BatchEntry, ForwardMode, ScheduledBatch
+from specserve.engine.batch import BatchEntry, ScheduledBatch
 from specserve.engine.request import Req
 from specserve.host import HostStaging
 from specserve.layers.attention import AttentionMetadata, make_attention_backend
@@ -374,7 +374,7 @@ def profile_runner(runner: ModelRunner, block: int, max_running: int) -> SpsTabl
             pages = list(range(page, page + -(-n // ps)))
             page += len(pages)
             entries.append(BatchEntry([0] * n, 0, pages, list(range(n))))
-        runner.forward(ScheduledBatch(ForwardMode.VERIFY, entries, []))
+        runner.forward(ScheduledBatch(entries, []))
 
     table = profile_sps(forward, sizes)
     logger.info(

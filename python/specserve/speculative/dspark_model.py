@@ -28,6 +28,7 @@ from specserve.layers.activation import gated_act
 from specserve.layers.linear import FusedLinears, LogitsHead, k_major_
 from specserve.layers.norm import RMSNorm, rms_norm
 from specserve.layers.rotary import RotaryEmbedding
+from specserve.sampling.sampler import exponential_race
 
 ARCHITECTURE = "Qwen3DSparkModel"
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
@@ -466,11 +467,9 @@ def _draw(
     noise: list[torch.Generator | None] | None,
     shared: torch.Generator | None,
 ) -> torch.Tensor:
-    """Argmax for greedy rows; an exponential race (seeded rows from their own
-    generator) for the ``sampled`` ones."""
+    """Argmax for greedy rows; the sampler's exponential race (seeded rows
+    from their own generator) for the ``sampled`` ones."""
     out = logits.argmax(dim=-1)
-    for i in sampled:
-        gen = noise[i] if noise is not None and noise[i] is not None else shared
-        e = torch.empty_like(probs[i]).exponential_(generator=gen)
-        out[i] = (probs[i] / e).argmax()
+    generators = [None if noise is None else noise[i] for i in sampled]
+    out[sampled] = exponential_race(probs[sampled], generators, shared)
     return out

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.engine.batch import BatchEntry, ForwardMode, ReqStep, ScheduledBatch
+from specserve.engine.batch import BatchEntry, ReqStep, ScheduledBatch
 from specserve.engine.output_processor import PendingRuns
 from specserve.engine.scheduler import Scheduler
 from specserve.grammar.bitmask import allocate_bitmask, apply_bitmask, fill_chain_masks
@@ -70,8 +70,7 @@ class SpecDecoder:
                 entries[i] = dataclasses.replace(
                     entry, token_ids=entry.token_ids + drafts, logit_rows=list(range(1 + n))
                 )
-        mode = ForwardMode.VERIFY if all(s.verify for s in steps) else batch.mode
-        return ScheduledBatch(mode, entries, steps, self.proposer.capture_layer_ids)
+        return ScheduledBatch(entries, steps, self.proposer.capture_layer_ids)
 
     def verify(
         self, batch: ScheduledBatch, fwd: ForwardOutput, shared_generator: torch.Generator

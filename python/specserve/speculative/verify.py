@@ -17,11 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.host import HostStaging
 from specserve.kernels.chain_verify import greedy_verify, rejection_verify
 from specserve.sampling.params import SamplingParams
 from specserve.sampling.sampler import filter_probs
-from specserve.speculative.base import VerifyResult
 
 
 @dataclass
@@ -60,14 +58,6 @@ class ChainOutcome:
         live = [c * width + k for c, n in enumerate(lengths) for k in range(n + 1)]
         return rows.flatten()[torch.tensor(live, dtype=torch.int64).to(device, non_blocking=True)]
 
-    @staticmethod
-    def results(chains: Sequence[Chain], accept: list[int], nxt: list[int]) -> list[VerifyResult]:
-        """The committed runs, once ``accept_len`` / ``next_token`` are on the host."""
-        return [
-            VerifyResult(c.drafts[:a] + [t], a, list(range(a + 1)))
-            for c, a, t in zip(chains, accept, nxt)
-        ]
-
 
 def verify_chains(chains: Sequence[Chain], backend: str = "auto") -> ChainOutcome:
     """All chains of a round: greedy ones in one kernel call, sampled ones in
@@ -96,21 +86,6 @@ def verify_chains(chains: Sequence[Chain], backend: str = "auto") -> ChainOutcom
         if group:
             place(group, _rejection([chains[i] for i in group], one_hot, backend))
     return ChainOutcome(accept, nxt)
-
-
-def verify_chain(
-    logits: torch.Tensor,
-    drafts: list[int],
-    q: torch.Tensor | None,
-    params: SamplingParams,
-    generator: torch.Generator,
-) -> VerifyResult:
-    """One chain: the committed tokens (accepted drafts + one more), how many
-    drafts were accepted, and the chain row (0-based) that scored each."""
-    chain = Chain(logits, drafts, q, params, generator)
-    out = verify_chains([chain])
-    accept, nxt = HostStaging(logits.device).fetch([out.accept_len, out.next_token])
-    return ChainOutcome.results([chain], accept, nxt)[0]  # type: ignore[arg-type]
 
 
 def _layout(
