@@ -625,7 +625,15 @@ def test_warm_up_runs_every_kind_of_step_and_leaves_no_trace() -> None:
     try:
         steps: list[str] = []
         real = eng.runner.forward
-        eng.runner.forward = lambda batch: (steps.append(batch.mode.value), real(batch))[1]
+
+        def forward(batch):
+            kinds = {
+                "verify" if s.verify else "decode" if s.decoding else "extend" for s in batch.steps
+            }
+            steps.extend(kinds)
+            return real(batch)
+
+        eng.runner.forward = forward
         eng.warm_up()
         assert {"extend", "verify"} <= set(steps)
         st = eng.stats()

@@ -1,6 +1,14 @@
-"""Page allocator for the paged KV cache."""
+"""Page allocator for the paged KV cache, and where a position's K/V lives."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def page_slots(page_table: Sequence[int], start: int, end: int, page_size: int) -> list[int]:
+    """KV pool slots of positions ``start .. end - 1`` of a request with
+    ``page_table``: position p is row ``p % page_size`` of page ``p // page_size``."""
+    return [page_table[p // page_size] * page_size + p % page_size for p in range(start, end)]
 
 
 class BlockPool:

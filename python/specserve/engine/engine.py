@@ -23,7 +23,7 @@ from specserve.engine.result import ResultCollector, format_output
 from specserve.grammar.base import GrammarBackend
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.base import Proposer
-from specserve.speculative.factory import build_proposer, draft_kv_bytes_per_page, load_drafter
+from specserve.speculative.factory import build_proposer, load_drafter
 from specserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class Engine:
         self.runner = ModelRunner(self.config, allocate_kv=False)
         drafter = load_drafter(self.config, self.runner) if proposer is None else None
         self.runner.allocate_kv(
-            draft_kv_bytes_per_page(self.config),
+            drafter.kv_bytes_per_page if drafter is not None else 0,
             drafter.activation_bytes if drafter is not None else 0,
         )
         self.proposer = proposer or build_proposer(self.config, self.runner, drafter)

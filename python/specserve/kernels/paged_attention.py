@@ -4,8 +4,8 @@ a cached prefix and verify chains, in one kernel; also the drafter's blocks.
 Every query token of request ``b`` sits at position ``kv_len[b] - q_len[b] + i``
 and attends to ``b``'s keys at positions up to its own (causal), or, for a
 non-causal batch (a DSpark draft block that sees itself whole), to all
-``kv_len[b]`` of them, read through the request's page table: slot = ``page_table[b, pos // page_size] *
-page_size + pos % page_size``, the KV pool's layout. Nothing is gathered into
+``kv_len[b]`` of them, read through the request's page table (``page_slots``
+in ``cache/block_pool.py``, the KV pool's layout). Nothing is gathered into
 a dense copy first (the torch backend copies every page it reads, about three
 times the memory traffic, growing with batch x context).
 

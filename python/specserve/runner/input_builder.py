@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.cache.block_pool import page_slots
 from specserve.engine.batch import ScheduledBatch
 from specserve.layers.attention import AttentionMetadata
 
@@ -29,8 +30,7 @@ def build_inputs(batch: ScheduledBatch, page_size: int, device: torch.device) ->
         ids.extend(e.token_ids)
         pos = range(e.prefix_len, e.prefix_len + n)
         positions.extend(pos)
-        table = e.page_table
-        slots.extend(table[p // page_size] * page_size + p % page_size for p in pos)
+        slots.extend(page_slots(e.page_table, e.prefix_len, e.prefix_len + n, page_size))
         logit_index.extend(base + r for r in e.logit_rows)
 
     def as_tensor(values: list[int]) -> torch.Tensor:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.cache.block_pool import BlockPool
+from specserve.cache.block_pool import BlockPool, page_slots
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig
 from specserve.engine.batch import BatchEntry, ScheduledBatch
@@ -45,6 +45,7 @@ class LoadedDrafter:
     model: DSparkDraftModel
     config: DSparkConfig
     block_size: int
+    kv_bytes_per_page: int  # a page of its KV pool (the target's page size)
     activation_bytes: int  # its share of the largest step (see ModelRunner.allocate_kv)
 
 
@@ -112,7 +113,13 @@ class DSparkProposer(Proposer):
             )
         dflash = spec.algorithm == "DFLASH"
         model = load_draft_model(spec.draft_model_path, dcfg, runner, use_heads=not dflash)
-        return LoadedDrafter(model, dcfg, block, _activation_bytes(config, dcfg, block, runner))
+        page = KVPool.bytes_per_page(
+            dcfg.num_hidden_layers, runner.page_size, dcfg.num_key_value_heads, dcfg.head_dim,
+            runner.dtype,
+        )  # fmt: skip
+        return LoadedDrafter(
+            model, dcfg, block, page, _activation_bytes(config, dcfg, block, runner, page)
+        )
 
     @classmethod
     def from_config(
@@ -173,9 +180,8 @@ class DSparkProposer(Proposer):
             end = st.ctx_len + st.pending_len
             self._cover(st, end)
             feats.extend(st.pending)
-            pos = range(st.ctx_len, end)
-            positions.extend(pos)
-            slots.extend(st.pages[p // ps] * ps + p % ps for p in pos)
+            positions.extend(range(st.ctx_len, end))
+            slots.extend(page_slots(st.pages, st.ctx_len, end, ps))
         device = self.model.fc.weight.device
         features = torch.cat(feats).to(self.model.fc.weight.dtype)
         pos_t = torch.tensor(positions, device=device)
@@ -207,9 +213,8 @@ class DSparkProposer(Proposer):
             st = r.draft_state
             end = st.ctx_len + g
             self._cover(st, end)
-            pos = range(st.ctx_len, end)
-            positions.extend(pos)
-            slots.extend(st.pages[p // ps] * ps + p % ps for p in pos)
+            positions.extend(range(st.ctx_len, end))
+            slots.extend(page_slots(st.pages, st.ctx_len, end, ps))
             kv_lens.append(end)
         device = self.model.fc.weight.device
         return AttentionMetadata(
@@ -340,7 +345,7 @@ def scratch_pages(config: EngineConfig, block: int) -> int:
 
 
 def _activation_bytes(
-    config: EngineConfig, dcfg: DSparkConfig, block: int, runner: ModelRunner
+    config: EngineConfig, dcfg: DSparkConfig, block: int, runner: ModelRunner, page_bytes: int
 ) -> int:
     """An upper estimate of a drafting step: every running request's block
     logits (float32, with the probabilities and the Markov-corrected copies),
@@ -349,10 +354,7 @@ def _activation_bytes(
     r = config.scheduler.max_running_requests
     elem = runner.dtype.itemsize
     logits = r * block * dcfg.vocab_size * 4 * 4
-    scratch = scratch_pages(config, block) * KVPool.bytes_per_page(
-        dcfg.num_hidden_layers, runner.page_size, dcfg.num_key_value_heads, dcfg.head_dim,
-        runner.dtype,
-    )  # fmt: skip
+    scratch = scratch_pages(config, block) * page_bytes
     context = 0
     if config.attention_backend == "torch_native":
         context = 2 * r * runner.context_length * dcfg.num_key_value_heads * dcfg.head_dim * elem

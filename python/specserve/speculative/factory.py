@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig, SpecConfig
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.base import Proposer
@@ -40,23 +39,6 @@ def warn_unused(spec: SpecConfig) -> None:
         logger.warning(
             "speculative_%s is ignored with speculative_algorithm %s", name, spec.algorithm
         )
-
-
-def draft_kv_bytes_per_page(config: EngineConfig) -> int:
-    """What one page of the drafter's KV pool costs (0 without a drafter)."""
-    spec = config.spec
-    if spec.algorithm not in ("DSPARK", "DFLASH") or not spec.draft_model_path:
-        return 0
-    from specserve.speculative.dspark_model import DSparkConfig
-
-    d = DSparkConfig.from_path(spec.draft_model_path)
-    return KVPool.bytes_per_page(
-        d.num_hidden_layers,
-        config.cache.page_size,
-        d.num_key_value_heads,
-        d.head_dim,
-        config.torch_dtype,
-    )
 
 
 def load_drafter(config: EngineConfig, runner: ModelRunner) -> Any:
