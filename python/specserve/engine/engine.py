@@ -402,8 +402,8 @@ class Engine:
             "grammar_matchers": sum(
                 r.grammar is not None for r in [*sched.running, *sched.waiting]
             ),
-            "spec_accept_length": spec.mean_accept_length if spec else None,
-            "spec_verify_rounds": spec.verify_rounds if spec else 0,
+            "spec_accept_length": spec.stats.accept_length if spec else None,
+            "spec_verify_rounds": spec.stats.rounds if spec else 0,
         }
 
     def _handle(self, cmd: tuple[str, Any]) -> None:

@@ -7,6 +7,7 @@ and ``step``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ from specserve.engine.output_processor import (
     RunCommit,
     StepScores,
 )
-from specserve.engine.request import FinishReason, Req, ReqStatus
+from specserve.engine.request import FinishReason, Req, ReqStatus, SpecStats
 from specserve.engine.scheduler import Scheduler
 from specserve.grammar.bitmask import allocate_bitmask
 from specserve.host import HostStaging
@@ -49,8 +50,8 @@ class RequestOutput:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
-    # Speculation: (verify rounds, tokens they committed); None without it.
-    spec: tuple[int, int] | None = None
+    # Speculation: the request's verify rounds so far; None without it.
+    spec: SpecStats | None = None
 
     @classmethod
     def final(cls, rid: str, reason: FinishReason) -> RequestOutput:
@@ -174,7 +175,7 @@ class EngineCore:
         self.stats = EngineStats()
         self.scheduler.num_preemptions = 0
         if self.spec is not None:
-            self.spec.verify_rounds = self.spec.committed_tokens = 0
+            self.spec.stats = SpecStats()
 
     @property
     def capacity_tokens(self) -> int:
@@ -344,7 +345,7 @@ class EngineCore:
             finish_reason=req.finish_reason,
             prompt_tokens=req.prompt_len,
             completion_tokens=len(req.output_ids),
-            spec=(req.spec_verify_ct, req.spec_committed) if self.spec is not None else None,
+            spec=dataclasses.replace(req.spec) if self.spec is not None else None,
         )
         self.stats.generated_tokens += len(out.token_ids)
         cur.tokens = len(req.output_ids)

@@ -21,6 +21,24 @@ class ReqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class SpecStats:
+    """Verify rounds and the tokens they committed (bonus included): of one
+    request, or of the engine's life."""
+
+    rounds: int = 0
+    committed: int = 0
+
+    def add(self, committed: int) -> None:
+        self.rounds += 1
+        self.committed += committed
+
+    @property
+    def accept_length(self) -> float:
+        """Committed tokens per round: tau."""
+        return self.committed / self.rounds if self.rounds else 0.0
+
+
 @dataclass(frozen=True)
 class FinishReason:
     type: str  # "stop" | "length" | "abort"
@@ -80,8 +98,7 @@ class Req:
 
     # Speculation: the proposer's own state, and what verification did.
     draft_state: Any = None
-    spec_verify_ct: int = 0  # verify rounds taken part in
-    spec_committed: int = 0  # tokens committed by those rounds (bonus included)
+    spec: SpecStats = field(default_factory=lambda: SpecStats())
 
     def __post_init__(self) -> None:
         self.detok = DetokState.start(self.prompt_ids)

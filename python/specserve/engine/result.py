@@ -65,9 +65,8 @@ def format_output(
         "finish_reason": out.finish_reason.to_dict() if out.finish_reason else None,
     }
     if out.spec is not None:
-        verify_ct, committed = out.spec
-        meta["spec_verify_ct"] = verify_ct
-        meta["spec_accept_length"] = committed / verify_ct if verify_ct else 0.0
+        meta["spec_verify_ct"] = out.spec.rounds
+        meta["spec_accept_length"] = out.spec.accept_length
     opts = greq.logprob
     if opts.return_logprob:
         text_of = token_text if opts.return_text_in_logprobs else None

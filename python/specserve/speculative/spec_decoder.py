@@ -20,6 +20,7 @@ import torch
 
 from specserve.engine.batch import BatchEntry, ReqStep, ScheduledBatch
 from specserve.engine.output_processor import PendingRuns
+from specserve.engine.request import SpecStats
 from specserve.engine.scheduler import Scheduler
 from specserve.grammar.bitmask import allocate_bitmask, apply_bitmask, fill_chain_masks
 from specserve.runner.model_runner import ForwardOutput
@@ -40,13 +41,7 @@ class SpecDecoder:
         self.scheduler = scheduler
         self.vocab_size = vocab_size
         self.kernel_backend = kernel_backend
-        self.verify_rounds = 0  # request-rounds, over the engine's life
-        self.committed_tokens = 0
-
-    @property
-    def mean_accept_length(self) -> float:
-        """Committed tokens per verify round (bonus included): tau."""
-        return self.committed_tokens / self.verify_rounds if self.verify_rounds else 0.0
+        self.stats = SpecStats()  # request-rounds, over the engine's life
 
     def prepare(self, batch: ScheduledBatch) -> ScheduledBatch:
         """The batch to run: every decoding entry becomes a verify chain
@@ -133,10 +128,8 @@ class SpecDecoder:
         the tokens this step committed to the request."""
         req, fed = step.req, len(entry.token_ids)
         if step.verify:
-            req.spec_verify_ct += 1
-            req.spec_committed += committed
-            self.verify_rounds += 1
-            self.committed_tokens += committed
+            req.spec.add(committed)
+            self.stats.add(committed)
             if req.finished:
                 return  # its pages and draft state go with it
             # Not finished, so nothing was cut: the anchor and the accepted
