@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from models_zoo import model_path
-from specserve.engine.batch import ReqStep
+from specserve.core import LogprobOptions, Req, ReqStep
 from specserve.engine.output_processor import OutputProcessor, PendingRuns
-from specserve.engine.request import LogprobOptions, Req
 from specserve.host import HostStaging
 from specserve.sampling.params import SamplingParams
 from specserve.tokenizer.tokenizer import Tokenizer

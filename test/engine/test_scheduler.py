@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specserve.cache.block_pool import BlockPool
 from specserve.config import SchedulerConfig
-from specserve.engine.request import FinishReason, LogprobOptions, Req, ReqStatus
+from specserve.core import FinishReason, LogprobOptions, Req, ReqStatus
 from specserve.engine.scheduler import Scheduler
 from specserve.sampling.params import SamplingParams
 

@@ -8,7 +8,7 @@ import torch
 
 from models_zoo import ZOO, hf_logits, hf_model, model_path, random_prompts
 from specserve.config import EngineConfig
-from specserve.engine.batch import BatchEntry, ScheduledBatch
+from specserve.core import BatchEntry, ScheduledBatch
 from specserve.runner.model_runner import ModelRunner
 
 TOL = 1e-4

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from models_zoo import model_path
 from specserve.config import EngineConfig
-from specserve.engine.request import Req
+from specserve.core import Req
 from specserve.kernels.dispatch import HAS_TRITON
 from specserve.runner.model_runner import ModelRunner
 from specserve.sampling.params import SamplingParams

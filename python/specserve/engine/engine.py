@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from specserve.config import EngineConfig
+from specserve.core import FinishReason, Req
 from specserve.engine.engine_core import EngineCore, RequestOutput
-from specserve.engine.request import FinishReason, Req
 from specserve.engine.request_factory import GenerateRequest, Limits, RequestFactory
 from specserve.engine.result import ResultCollector, format_output
 from specserve.grammar.base import GrammarBackend

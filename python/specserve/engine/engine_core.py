@@ -15,15 +15,15 @@ import torch
 
 from specserve.cache.block_pool import BlockPool
 from specserve.config import EngineConfig
-from specserve.engine.batch import ScheduledBatch
+from specserve.core import FinishReason, Req, ReqStatus, ScheduledBatch, SpecStats
 from specserve.engine.output_processor import (
     OutputProcessor,
     PendingRuns,
     RunCommit,
     StepScores,
 )
-from specserve.engine.request import FinishReason, Req, ReqStatus, SpecStats
 from specserve.engine.scheduler import Scheduler
+from specserve.engine.spec_decoder import SpecDecoder
 from specserve.grammar.bitmask import allocate_bitmask
 from specserve.host import HostStaging
 from specserve.runner.model_runner import ForwardOutput, ModelRunner
@@ -31,7 +31,6 @@ from specserve.sampling.logprobs import TokenLogprob
 from specserve.sampling.penalties import PenaltyState, RowControls, apply_logit_bias
 from specserve.sampling.sampler import Sampler
 from specserve.speculative.base import Proposer
-from specserve.speculative.spec_decoder import SpecDecoder
 from specserve.tokenizer.detokenizer import Decoder
 
 logger = logging.getLogger(__name__)

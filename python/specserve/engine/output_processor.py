@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.batch import ReqStep
-from specserve.engine.request import FinishReason, Req
+from specserve.core import FinishReason, Req, ReqStep
 from specserve.grammar.bitmask import advance_committed
 from specserve.kernels.logprobs import RowLogprobs
 from specserve.sampling.logprobs import (

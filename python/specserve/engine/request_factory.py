@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specserve.config import LimitsConfig
-from specserve.engine.request import LogprobOptions
+from specserve.core import LogprobOptions
 from specserve.grammar.base import GrammarBackend
 from specserve.sampling.params import SEED_MODULUS, SamplingParams
 from specserve.tokenizer.tokenizer import Tokenizer, is_utf8

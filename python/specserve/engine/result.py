@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from specserve.core import FinishReason
 from specserve.engine.engine_core import RequestOutput
-from specserve.engine.request import FinishReason
 from specserve.engine.request_factory import GenerateRequest
 from specserve.sampling.logprobs import TokenLogprob
 

@@ -16,8 +16,7 @@ from collections.abc import Callable
 
 from specserve.cache.block_pool import BlockPool
 from specserve.config import SchedulerConfig
-from specserve.engine.batch import BatchEntry, ReqStep, ScheduledBatch
-from specserve.engine.request import FinishReason, Req, ReqStatus
+from specserve.core import BatchEntry, FinishReason, Req, ReqStatus, ReqStep, ScheduledBatch
 
 
 class Scheduler:

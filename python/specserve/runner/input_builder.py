@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.cache.block_pool import page_slots
-from specserve.engine.batch import ScheduledBatch
+from specserve.core import ScheduledBatch
 from specserve.layers.attention import AttentionMetadata
 
 

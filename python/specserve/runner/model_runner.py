@@ -11,7 +11,7 @@ import torch
 
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig, ModelConfig
-from specserve.engine.batch import ScheduledBatch
+from specserve.core import ScheduledBatch
 from specserve.layers.attention import AttentionBackend, make_attention_backend
 from specserve.models.loader import load_model
 from specserve.runner.input_builder import build_inputs

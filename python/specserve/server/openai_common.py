@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from specserve.engine.request import FinishReason
+from specserve.core import FinishReason
 from specserve.protocol.openai import SamplingFields
 from specserve.server.errors import APIError
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.request import Req
+from specserve.core import Req
 
 
 @dataclass

@@ -27,8 +27,7 @@ import torch
 from specserve.cache.block_pool import BlockPool, page_slots
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig
-from specserve.engine.batch import BatchEntry, ScheduledBatch
-from specserve.engine.request import Req
+from specserve.core import BatchEntry, Req, ScheduledBatch
 from specserve.host import HostStaging
 from specserve.layers.attention import AttentionMetadata, make_attention_backend
 from specserve.models.loader import checkpoint_files, load_state, materialize

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specserve.engine.request import Req
+from specserve.core import Req
 from specserve.speculative.base import DraftProposal, Proposer
 
 

@@ -18,9 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.engine.batch import BatchEntry, ReqStep, ScheduledBatch
+from specserve.core import BatchEntry, ReqStep, ScheduledBatch, SpecStats
 from specserve.engine.output_processor import PendingRuns
-from specserve.engine.request import SpecStats
 from specserve.engine.scheduler import Scheduler
 from specserve.grammar.bitmask import allocate_bitmask, apply_bitmask, fill_chain_masks
 from specserve.runner.model_runner import ForwardOutput
