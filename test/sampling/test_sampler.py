@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specserve.sampling.metadata import SamplingMetadata, filter_probs
 from specserve.sampling.params import SamplingParams
 from specserve.sampling.penalties import PenaltyState, RowControls, process_logits
-from specserve.sampling.sampler import Sampler, filter_probs
+from specserve.sampling.sampler import Sampler
 
 
 def controls(
@@ -56,8 +57,8 @@ def test_draws_follow_the_filtered_distribution() -> None:
     n = 20000
     sampler = Sampler(torch.device("cpu"), seed=0)
     for sp in (SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=3)):
-        out = sampler.sample(logits.repeat(n, 1), [controls(sp)] * n, [None] * n)
-        freq = torch.bincount(out.token_ids, minlength=6).float() / n
+        out = sampler.sample(logits.repeat(n, 1), SamplingMetadata([controls(sp)] * n, [None] * n))
+        freq = torch.bincount(out, minlength=6).float() / n
         target = torch.softmax(logits / sp.temperature, dim=-1)
         if sp.top_k > 0:
             target = filter_ref(target, sp)
@@ -74,14 +75,11 @@ def test_greedy_and_seeded_rows() -> None:
     def gen() -> torch.Generator:
         return torch.Generator().manual_seed(7)
 
-    a = sampler.sample(
-        logits,
-        [controls(SamplingParams(temperature=0)), controls(seeded), controls(SamplingParams())],
-        [None, gen(), None],
-    )
-    b = sampler.sample(logits[1:2], [controls(seeded)], [gen()])
-    assert a.token_ids[0] == int(logits[0].argmax())
-    assert a.token_ids[1] == b.token_ids[0]
+    rows = [controls(SamplingParams(temperature=0)), controls(seeded), controls(SamplingParams())]
+    a = sampler.sample(logits, SamplingMetadata(rows, [None, gen(), None]))
+    b = sampler.sample(logits[1:2], SamplingMetadata([controls(seeded)], [gen()]))
+    assert a[0] == int(logits[0].argmax())
+    assert a[1] == b[0]
 
 
 def test_repetition_penalty_matches_transformers() -> None:
@@ -139,3 +137,40 @@ def test_params_normalisation() -> None:
     sp = SamplingParams.from_dict({"stop": "x", "logit_bias": {"3": 1}, "top_k": 0})
     assert sp.stop == ("x",) and sp.logit_bias == {3: 1.0} and not sp.needs_filter
     assert SamplingParams(temperature=0).greedy and SamplingParams(top_k=1).greedy
+
+
+def test_mixed_rows_are_processed_as_each_alone() -> None:
+    """One call over rows of different requests (and verify rows that count
+    the drafts before them) against each row's rules written out here."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(5)
+    vocab = 30
+    logits = torch.randn(5, vocab, generator=g) * 3
+    prompt, output = [1, 2], [4, 4, 7]
+    state = PenaltyState.create(prompt, vocab, torch.device("cpu"))
+    state.add(output)
+    rep = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.2)
+    plain = SamplingParams(logit_bias={3: -1.0, 40: 5.0}, min_new_tokens=4)
+    rows = [
+        RowControls(rep, state, 3, frozenset()),  # the chain's first row
+        RowControls(rep, state, 4, frozenset(), (9,)),  # after draft 9
+        RowControls(rep, state, 5, frozenset(), (9, 4)),  # after drafts 9, 4
+        RowControls(plain, None, 2, frozenset({0, 5})),  # bias; stops held
+        RowControls(SamplingParams(), None, 0, frozenset({0})),  # untouched
+    ]
+    got = process_logits(logits.clone(), rows)
+    for i, extra in enumerate([(), (9,), (9, 4)]):
+        history = prompt + output + list(extra)
+        want = RepetitionPenaltyLogitsProcessor(1.5)(
+            torch.tensor([history]), logits[i : i + 1].clone()
+        )[0]
+        for t in set(output + list(extra)):
+            n = (output + list(extra)).count(t)
+            want[t] -= 0.3 * n + 0.2
+        torch.testing.assert_close(got[i], want)
+    want = logits[3].clone()
+    want[3] -= 1.0  # id 40 is past the vocabulary: ignored
+    want[[0, 5]] = float("-inf")
+    torch.testing.assert_close(got[3], want)
+    torch.testing.assert_close(got[4], logits[4])

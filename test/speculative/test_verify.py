@@ -7,8 +7,9 @@ import itertools
 import pytest
 import torch
 
+from specserve.sampling.metadata import target_probs
 from specserve.sampling.params import SamplingParams
-from specserve.speculative.verify import Chain, target_probs, verify_chains
+from specserve.speculative.verify import Chain, verify_chains
 
 
 def run(logits, drafts, q, params, generator) -> tuple[list[int], int]:
@@ -56,7 +57,7 @@ def test_rejection_sampling_reproduces_the_target_distribution(one_hot) -> None:
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(3, V, generator=g) * 1.5
     params = SamplingParams(temperature=0.8)
-    p = target_probs(logits, params)
+    p = torch.softmax(logits / 0.8, dim=-1)
     draft = torch.softmax(torch.randn(2, V, generator=g) * 2, dim=-1)  # a poor drafter
     n = 20000
     if one_hot:
@@ -73,7 +74,7 @@ def test_second_token_follows_the_target_after_an_accepted_draft() -> None:
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(3, V, generator=g)
     params = SamplingParams(temperature=1.0)
-    p = target_probs(logits, params)
+    p = torch.softmax(logits, dim=-1)
     draft = torch.softmax(torch.randn(2, V, generator=g), dim=-1)
     n = 40000
     gen = torch.Generator().manual_seed(3)
@@ -96,8 +97,8 @@ def test_top_k_and_top_p_are_respected() -> None:
         tokens, _ = run(logits, [5], None, params, g)  # a draft outside the top 2
         seen.add(tokens[0])
     assert seen <= {0, 1}
-    probs = target_probs(logits, SamplingParams(top_p=0.5))
-    assert torch.count_nonzero(probs[0]) == 1
+    probs = target_probs(logits, [SamplingParams(top_p=0.5)] * 2)
+    assert torch.count_nonzero(probs[0]) == 1 and float(probs[0].sum()) == pytest.approx(1.0)
 
 
 def test_every_accept_length_is_reachable_greedily() -> None:

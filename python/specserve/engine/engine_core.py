@@ -24,11 +24,11 @@ from specserve.engine.output_processor import (
 )
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.spec_decoder import SpecDecoder
-from specserve.grammar.bitmask import allocate_bitmask
 from specserve.host import HostStaging
 from specserve.runner.model_runner import ForwardOutput, ModelRunner
 from specserve.sampling.logprobs import TokenLogprob
-from specserve.sampling.penalties import PenaltyState, RowControls, apply_logit_bias
+from specserve.sampling.metadata import StepRows, processed_logits, step_rows
+from specserve.sampling.penalties import PenaltyState, apply_logit_bias
 from specserve.sampling.sampler import Sampler
 from specserve.speculative.base import Proposer
 from specserve.tokenizer.detokenizer import Decoder
@@ -126,9 +126,7 @@ class EngineCore:
             on_release=proposer.release if proposer else None,
         )
         self.spec = (
-            SpecDecoder(proposer, self.scheduler, runner.vocab_size, config.kernel_backend)
-            if proposer
-            else None
+            SpecDecoder(proposer, self.scheduler, config.kernel_backend) if proposer else None
         )
         self.sampler = Sampler(runner.device, config.random_seed)
         self.staging = HostStaging(runner.device)
@@ -227,13 +225,14 @@ class EngineCore:
         if self.spec is not None:
             batch = self.spec.prepare(batch)
         fwd = self.runner.forward(batch)
-        sampled, processed = self._sample(batch, fwd)
-        pending = [sampled] if sampled is not None else []
+        # Every row a token is drawn or verified from, as the sampler sees it.
+        rows = step_rows(batch.steps, fwd.row_offsets, self.runner.vocab_size)
+        processed = processed_logits(_take(fwd.logits, rows.logit_rows), rows.metadata)
+        pending = [p for p in (self._sample(batch, rows, processed),) if p is not None]
         if self.spec is not None:
-            verified, spec_processed = self.spec.verify(batch, fwd, self.sampler.generator)
+            verified = self.spec.verify(batch, rows, processed, self.sampler.generator)
             pending += [verified] if verified is not None else []
-            processed += spec_processed
-        scoring = self._scoring_logits(batch, fwd, processed)
+        scoring = self._scoring_logits(batch, fwd, rows.logit_rows, processed)
         scores = self.output_processor.score(batch.steps, fwd.row_offsets, pending, scoring)
         # The step's one read back: every run's tokens (and accept lengths), the scores.
         host = self.staging.fetch([t for g in pending for t in g.tensors()] + scores.tensors())
@@ -274,45 +273,26 @@ class EngineCore:
             req.finish(reason)  # already out of the scheduler's hands
 
     def _sample(
-        self, batch: ScheduledBatch, fwd: ForwardOutput
-    ) -> tuple[PendingRuns | None, list[tuple[list[int], torch.Tensor]]]:
-        """One token per plain sampling step (on the device), and the
-        processed rows they were drawn from (for processed-mode logprobs)."""
-        sample_steps = [i for i, s in enumerate(batch.steps) if s.sample and not s.verify]
-        if not sample_steps:
-            return None, []
-        rows = [fwd.row_offsets[i + 1] - 1 for i in sample_steps]
-        reqs = [batch.steps[i].req for i in sample_steps]
-        controls = [self._controls(r) for r in reqs]
-        out = self.sampler.sample(
-            fwd.logits[rows], controls, [r.generator for r in reqs], self._grammar_mask(reqs)
-        )
-        return PendingRuns(sample_steps, [[r] for r in rows], out.token_ids), [
-            (rows, out.processed_logits)
-        ]
-
-    def _grammar_mask(self, reqs: list[Req]) -> tuple[torch.Tensor, list[int]] | None:
-        constrained = [j for j, r in enumerate(reqs) if r.grammar is not None]
-        if not constrained:
+        self, batch: ScheduledBatch, rows: StepRows, processed: torch.Tensor
+    ) -> PendingRuns | None:
+        """One token per plain sampling step, still on the device."""
+        plain = [i for i in rows.spans if not batch.steps[i].verify]
+        if not plain:
             return None
-        bitmask = allocate_bitmask(len(constrained), self.runner.vocab_size)
-        for k, j in enumerate(constrained):
-            reqs[j].grammar.fill_mask(bitmask, k)  # type: ignore[union-attr]
-        return bitmask, constrained
-
-    @staticmethod
-    def _controls(req: Req) -> RowControls:
-        return RowControls(req.sampling, req.penalty, len(req.output_ids), req.held_stop_ids)
+        at = [rows.spans[i].start for i in plain]
+        tokens = self.sampler.sample(processed[at], rows.metadata.select(at))
+        return PendingRuns(plain, [[rows.logit_rows[k]] for k in at], tokens)
 
     def _scoring_logits(
         self,
         batch: ScheduledBatch,
         fwd: ForwardOutput,
-        processed: list[tuple[list[int], torch.Tensor]],
+        logit_rows: list[int],
+        processed: torch.Tensor,  # [len(logit_rows), V]
     ) -> torch.Tensor:
         """Raw mode scores the model's logits. Processed mode scores what the
-        sampler drew from; prompt rows get the request's logit bias (there is
-        no generated history to penalise)."""
+        sampler drew from (or verified against); prompt rows get the
+        request's logit bias (there is no generated history to penalise)."""
         if self.config.logprobs_mode == "raw":
             return fwd.logits
         if not any(s.req.logprob.return_logprob for s in batch.steps):
@@ -324,8 +304,8 @@ class EngineCore:
                 apply_logit_bias(
                     logits[lo : lo + step.num_input_logprob_rows], step.req.sampling.logit_bias
                 )
-        for rows, values in processed:
-            logits[rows] = values
+        if logit_rows:
+            logits[logit_rows] = processed
         return logits
 
     # ---- outputs --------------------------------------------------------
@@ -355,3 +335,11 @@ class EngineCore:
             kind = req.finish_reason.type if req.finish_reason else "unknown"
             self.stats.finished[kind] = self.stats.finished.get(kind, 0) + 1
         return out
+
+
+def _take(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]``, without a copy when the rows are all of them in order
+    (a batch of verify chains only)."""
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+        return logits
+    return logits[rows]

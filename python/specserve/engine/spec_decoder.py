@@ -3,10 +3,11 @@
 Before the forward, decoding requests get a draft chain: in the batch that
 runs, their entry is ``[anchor, x_1..x_L]`` with every row's logits returned
 (VERIFY).
-After it, each chain's rows are processed exactly as plain sampling would
-process them (penalties over the chain prefix, min-token suppression, the
-grammar's chain masks), ``verify_chains`` decides what is committed, and the
-commit goes through the shared output processor like any other run. Then
+After it, each chain reads its rows of the step's processed logits (the
+engine processes every sampled and verified row at once: ``sampling/metadata.py``,
+with penalties over the chain prefix, min-token suppression and the grammar's
+chain masks), ``verify_chains`` decides what is committed, and the commit goes
+through the shared output processor like any other run. Then
 the rejected positions' K/V are dropped and the committed rows' captured
 features go to the proposer.
 """
@@ -14,16 +15,13 @@ features go to the proposer.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import torch
 
 from specserve.core import BatchEntry, ReqStep, ScheduledBatch, SpecStats
 from specserve.engine.output_processor import PendingRuns
 from specserve.engine.scheduler import Scheduler
-from specserve.grammar.bitmask import allocate_bitmask, apply_bitmask, fill_chain_masks
-from specserve.runner.model_runner import ForwardOutput
-from specserve.sampling.penalties import RowControls, process_logits
+from specserve.sampling.metadata import StepRows
 from specserve.speculative.base import Proposer
 from specserve.speculative.verify import Chain, verify_chains
 
@@ -33,12 +31,10 @@ class SpecDecoder:
         self,
         proposer: Proposer,
         scheduler: Scheduler,
-        vocab_size: int,
         kernel_backend: str = "auto",
     ) -> None:
         self.proposer = proposer
         self.scheduler = scheduler
-        self.vocab_size = vocab_size
         self.kernel_backend = kernel_backend
         self.stats = SpecStats()  # request-rounds, over the engine's life
 
@@ -67,51 +63,32 @@ class SpecDecoder:
         return ScheduledBatch(entries, steps, self.proposer.capture_layer_ids)
 
     def verify(
-        self, batch: ScheduledBatch, fwd: ForwardOutput, shared_generator: torch.Generator
-    ) -> tuple[PendingRuns | None, list[tuple[list[int], torch.Tensor]]]:
+        self,
+        batch: ScheduledBatch,
+        rows: StepRows,
+        processed: torch.Tensor,  # [len(rows.logit_rows), V]: processed_logits of rows
+        shared_generator: torch.Generator,
+    ) -> PendingRuns | None:
         """Every chain's run, still on the device (its candidates: the chain's
-        rows, committing ``accept + 1`` of them), and its processed rows (for
-        ``--logprobs-mode processed``) as (row indices, logits)."""
+        rows, committing ``accept + 1`` of them). Each chain reads its rows of
+        ``processed``: what plain sampling would see at each position."""
         chains: list[Chain] = []
         steps: list[int] = []
-        rows: list[list[int]] = []
-        processed: list[tuple[list[int], torch.Tensor]] = []
+        scoring: list[list[int]] = []
         for i, step in enumerate(batch.steps):
             if not step.verify:
                 continue
-            req, drafts = step.req, step.drafts
-            lo = fwd.row_offsets[i]
-            x = self._process_rows(fwd.logits[lo : lo + 1 + len(drafts)], step.req, drafts)
+            req, span = step.req, rows.spans[i]
+            x = processed[span.start : span.stop]  # [1 + L, V]
             chains.append(
-                Chain(x, drafts, step.draft_q, req.sampling, req.generator or shared_generator)
+                Chain(x, step.drafts, step.draft_q, req.sampling, req.generator or shared_generator)
             )
             steps.append(i)
-            rows.append(list(range(lo, lo + 1 + len(drafts))))
-            processed.append((rows[-1], x))
+            scoring.append(rows.logit_rows[span.start : span.stop])
         if not chains:
-            return None, processed
+            return None
         outcome = verify_chains(chains, self.kernel_backend)
-        return PendingRuns(steps, rows, outcome.candidates(chains), outcome.accept_len), processed
-
-    def _process_rows(self, x: torch.Tensor, req, drafts: Sequence[int]) -> torch.Tensor:
-        """Row j follows the anchor and ``drafts[:j]``: what plain sampling
-        would see at that point."""
-        sp = req.sampling
-        done = len(req.output_ids)
-        held = req.held_stop_ids and done < sp.min_new_tokens
-        if not (sp.logit_bias or req.penalty is not None or held or req.grammar is not None):
-            return x  # nothing to apply: the model's rows as they are
-        x = x.clone()
-        controls = [
-            RowControls(req.sampling, req.penalty, done + j, req.held_stop_ids, tuple(drafts[:j]))
-            for j in range(x.shape[0])
-        ]
-        process_logits(x, controls)
-        if req.grammar is not None:
-            bitmask = allocate_bitmask(x.shape[0], self.vocab_size)
-            fill_chain_masks(req.grammar, drafts, bitmask, 0)
-            apply_bitmask(x, bitmask, list(range(x.shape[0])))
-        return x
+        return PendingRuns(steps, scoring, outcome.candidates(chains), outcome.accept_len)
 
     def finish(
         self,

@@ -45,19 +45,44 @@ class RowControls:
     # Drafts this row comes after (a verify row): part of its history too.
     extra_tokens: tuple[int, ...] = ()
 
+    @property
+    def holds_stops(self) -> bool:
+        return self.num_output_tokens < self.params.min_new_tokens and bool(self.stop_ids)
+
+    @property
+    def active(self) -> bool:
+        """Whether processing changes this row at all."""
+        return bool(self.params.logit_bias) or self.penalty is not None or self.holds_stops
+
 
 def process_logits(logits: torch.Tensor, rows: Sequence[RowControls]) -> torch.Tensor:
-    """Applies bias, penalties and min-token suppression to ``logits [N, V]`` in place."""
-    vocab = logits.shape[1]
-    for i, row in enumerate(rows):
-        p = row.params
-        if p.logit_bias:
-            apply_logit_bias(logits[i : i + 1], p.logit_bias)
-        if row.penalty is not None:
-            _apply_penalties(logits[i], p, row.penalty, row.extra_tokens)
-        if row.num_output_tokens < p.min_new_tokens and row.stop_ids:
-            logits[i, [t for t in row.stop_ids if t < vocab]] = float("-inf")
+    """Applies bias, penalties and min-token suppression to ``logits [N, V]``
+    in place: each kind for all its rows at once (a few ops whatever N is)."""
+    vocab, device = logits.shape[1], logits.device
+    bias = [
+        (i, t, v)
+        for i, r in enumerate(rows)
+        for t, v in (r.params.logit_bias or {}).items()
+        if t < vocab
+    ]
+    if bias:
+        ri, ti, values = zip(*bias)
+        index = (_long(ri, device), _long(ti, device))
+        logits.index_put_(
+            index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True
+        )
+    penalised = [i for i, r in enumerate(rows) if r.penalty is not None]
+    if penalised:
+        logits[penalised] = _penalties(logits[penalised], [rows[i] for i in penalised])
+    held = [(i, t) for i, r in enumerate(rows) if r.holds_stops for t in r.stop_ids if t < vocab]
+    if held:
+        ri, ti = zip(*held)
+        logits[_long(ri, device), _long(ti, device)] = float("-inf")
     return logits
+
+
+def _long(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
@@ -69,18 +94,25 @@ def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tens
     return logits
 
 
-def _apply_penalties(
-    row: torch.Tensor, p: SamplingParams, state: PenaltyState, extra: tuple[int, ...]
-) -> None:
-    seen, counts = state.seen, state.output_counts
+def _penalties(x: torch.Tensor, rows: list[RowControls]) -> torch.Tensor:
+    """Repetition (CTRL / HF rule: positive logits shrink, negative ones grow
+    more negative), frequency and presence penalties for ``x [n, V]``, whose
+    history is the request's plus the row's ``extra_tokens``."""
+    device = x.device
+    counts = torch.stack([r.penalty.output_counts for r in rows])  # type: ignore[union-attr]
+    seen = torch.stack([r.penalty.seen for r in rows])  # type: ignore[union-attr]
+    extra = [(k, t) for k, r in enumerate(rows) for t in r.extra_tokens]
     if extra:
-        ids = torch.tensor(extra, dtype=torch.int64, device=row.device)
-        seen = seen.clone()
-        seen[ids] = True
-        counts = counts.index_add(0, ids, torch.ones(len(extra), device=row.device))
-    if p.repetition_penalty != 1.0:
-        # Positive logits shrink, negative ones grow more negative (CTRL / HF rule).
-        penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-        row.copy_(torch.where(seen, penalised, row))
-    if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-        row.sub_(counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty)
+        ki, ti = zip(*extra)
+        index = (_long(ki, device), _long(ti, device))
+        counts.index_put_(index, torch.ones(len(extra), device=device), accumulate=True)
+        seen[index] = True
+
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(r.params, name) for r in rows], device=device)[:, None]
+
+    rep = per_row("repetition_penalty")
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    return x - (
+        counts * per_row("frequency_penalty") + (counts > 0).float() * per_row("presence_penalty")
+    )

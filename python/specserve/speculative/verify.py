@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels.chain_verify import greedy_verify, rejection_verify
+from specserve.sampling.metadata import target_probs
 from specserve.sampling.params import SamplingParams
-from specserve.sampling.sampler import filter_probs
 
 
 @dataclass
@@ -103,7 +103,8 @@ def _layout(
 def _rejection(
     members: list[Chain], one_hot: bool, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    probs = torch.cat([target_probs(c.logits, c.params) for c in members])  # [sum(1 + L), V]
+    rows = torch.cat([c.logits for c in members])  # [sum(1 + L), V]
+    probs = target_probs(rows, [c.params for c in members for _ in range(1 + len(c.drafts))])
     device = probs.device
     starts, drafts, lengths = _layout(members, device)
     width = drafts.shape[1]
@@ -123,12 +124,3 @@ def _rejection(
             dtype=torch.int64,
         ).to(device, non_blocking=True)
     return rejection_verify(probs, starts, drafts, lengths, q, q_starts, uniforms, backend=backend)
-
-
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """What plain sampling draws from: temperature, then top-k/top-p/min-p."""
-    probs = torch.softmax(logits / params.temperature, dim=-1)
-    if params.needs_filter:
-        probs = filter_probs(probs, [params] * probs.shape[0])
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
