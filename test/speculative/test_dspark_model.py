@@ -200,9 +200,10 @@ def test_startup_errors(drafters, tmp_path) -> None:
     path = drafters["vanilla"]
     cases = [
         (
-            dict(speculative_num_draft_tokens=4),
-            "speculative_num_draft_tokens must be the block size \\+ 1 = 5",
+            dict(speculative_num_draft_tokens=4, speculative_dspark_block_size=4),
+            "speculative_num_draft_tokens \\(4\\) must be speculative_dspark_block_size \\+ 1 = 5",
         ),
+        (dict(speculative_num_draft_tokens=10), "exceeds the drafter's block size"),
         (dict(speculative_dspark_block_size=9), "exceeds the drafter's block size"),
         (
             dict(
@@ -260,3 +261,10 @@ def test_training_forward_equals_the_inference_path(drafters, kind) -> None:
         logits, tconf = m.train_logits(hidden[0], prev)
         assert torch.equal(logits.argmax(-1), tokens)
         torch.testing.assert_close(tconf, conf, atol=1e-6, rtol=0)
+
+
+def test_the_chain_length_flag_sets_the_block(drafters) -> None:
+    prop, _ = proposer_for(drafters["vanilla"], speculative_num_draft_tokens=3)
+    assert prop.max_drafts == 2  # the anchor plus two drafts
+    prop, _ = proposer_for(drafters["vanilla"])
+    assert prop.max_drafts == prop.model.config.block_size

@@ -93,7 +93,7 @@ class DSparkProposer(Proposer):
         dcfg = DSparkConfig.from_path(spec.draft_model_path)
         tcfg = runner.model_config
         _check_compatible(dcfg, tcfg.hidden_size, tcfg.vocab_size, tcfg.num_hidden_layers)
-        block = spec.block_size or dcfg.block_size
+        block = dspark_block_size(spec.block_size, spec.num_draft_tokens, dcfg.block_size)
         if block > dcfg.block_size:
             raise ValueError(
                 f"speculative_dspark_block_size: {block} exceeds the drafter's block size {dcfg.block_size}"
@@ -104,12 +104,6 @@ class DSparkProposer(Proposer):
                 "to itself without a causal mask, so its drafts differ from a full block's",
                 block, dcfg.block_size,
             )  # fmt: skip
-        if spec.num_draft_tokens is not None and spec.num_draft_tokens != block + 1:
-            raise ValueError(
-                f"speculative_num_draft_tokens must be the block size + 1 = {block + 1} for "
-                f"{spec.algorithm} (a verify chain is the anchor plus {block} drafts), "
-                f"got {spec.num_draft_tokens}"
-            )
         dflash = spec.algorithm == "DFLASH"
         model = load_draft_model(spec.draft_model_path, dcfg, runner, use_heads=not dflash)
         page = KVPool.bytes_per_page(
@@ -283,6 +277,21 @@ class DSparkProposer(Proposer):
         if self.sps is not None:
             return budget_lengths(proposal.confidence, self.sps)
         return static_lengths(proposal.confidence, self.threshold)
+
+
+def dspark_block_size(block_flag: int | None, chain_flag: int | None, trained: int) -> int:
+    """The block drafted per round: ``--speculative-dspark-block-size``, or
+    ``--speculative-num-draft-tokens`` less the anchor (SGLang's name for the
+    verify chain), or the drafter's own; the two flags must agree when both
+    are given."""
+    from_chain = None if chain_flag is None else chain_flag - 1
+    if block_flag is not None and from_chain is not None and block_flag != from_chain:
+        raise ValueError(
+            f"speculative_num_draft_tokens ({chain_flag}) must be "
+            f"speculative_dspark_block_size + 1 = {block_flag + 1}: a verify chain is the "
+            f"anchor plus one block of drafts"
+        )
+    return block_flag or from_chain or trained
 
 
 def _check_compatible(dcfg: DSparkConfig, hidden: int, vocab: int, num_layers: int) -> None:
