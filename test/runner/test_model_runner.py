@@ -94,3 +94,16 @@ def test_every_model_is_loaded_before_the_kv_pools_are_sized(tmp_path, monkeypat
     )
     eng.shutdown()
     assert events == ["drafter", "size"]
+
+
+def test_verify_profile_forward_takes_the_chain_path() -> None:
+    """The budget scheduler's timing forward is shaped like a real verify round:
+    chains over a cached prefix (the chain attention path), not fresh prefills."""
+    r = runner(max_total_tokens=64, page_size=4)
+    metas = []
+    prepare = r.attn_backend.prepare
+    r.attn_backend.prepare = lambda meta: (metas.append(meta), prepare(meta))[1]
+    r.verify_forward(num_tokens=13, chain=5, prefix=40)  # more pages than the pool: they wrap
+    (meta,) = metas
+    assert meta.q_lens == [5, 5, 3] and meta.kv_lens == [45, 45, 43]
+    assert meta.plan.chain_index is not None and not meta.plan.multi

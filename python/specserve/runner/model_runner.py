@@ -11,7 +11,7 @@ import torch
 
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig, ModelConfig
-from specserve.core import ScheduledBatch
+from specserve.core import BatchEntry, ScheduledBatch
 from specserve.layers.attention import AttentionBackend, make_attention_backend
 from specserve.models.loader import load_model
 from specserve.runner.input_builder import build_inputs
@@ -117,6 +117,23 @@ class ModelRunner:
             offsets.append(offsets[-1] + len(e.logit_rows))
         cap = torch.cat(captured, dim=-1) if captured else None
         return ForwardOutput(logits=logits, row_offsets=offsets, captured=cap)
+
+    @torch.inference_mode()
+    def verify_forward(self, num_tokens: int, chain: int, prefix: int) -> None:
+        """One forward shaped like a verify round, for timing it: chains of
+        ``chain`` tokens (the last may be shorter) over ``prefix`` cached
+        positions each, on whatever pages (their contents do not matter);
+        returns once the device is done."""
+        ps, entries, page = self.page_size, [], 0
+        for start in range(0, num_tokens, chain):
+            n = min(chain, num_tokens - start)
+            count = -(-(prefix + n) // ps)
+            pages = [(page + k) % self.num_pages for k in range(count)]
+            page += count
+            entries.append(BatchEntry([0] * n, prefix, pages, list(range(n))))
+        self.forward(ScheduledBatch(entries, []))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 def cuda_kv_budget(total: int, free: int, fraction: float, reserve: int) -> float:

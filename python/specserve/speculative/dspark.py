@@ -27,7 +27,7 @@ import torch
 from specserve.cache.block_pool import BlockPool, page_slots
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig
-from specserve.core import BatchEntry, Req, ScheduledBatch
+from specserve.core import Req
 from specserve.host import HostStaging
 from specserve.layers.attention import AttentionMetadata, make_attention_backend
 from specserve.models.loader import checkpoint_files, load_state, materialize
@@ -37,6 +37,9 @@ from specserve.speculative.confidence import SpsTable, budget_lengths, profile_s
 from specserve.speculative.dspark_model import Attend, DSparkConfig, DSparkDraftModel
 
 logger = logging.getLogger(__name__)
+
+# Cached positions before each chain when profiling verify rounds.
+PROFILE_PREFIX = 256
 
 
 @dataclass
@@ -370,23 +373,13 @@ def _activation_bytes(
 
 
 def profile_runner(runner: ModelRunner, block: int, max_running: int) -> SpsTable:
-    """Steps/s of verify forwards of B tokens (chains of block + 1), measured now."""
+    """Steps/s of verify forwards of B tokens (chains of block + 1 over a cached
+    prefix, the attention path real rounds take), measured now."""
     chain = block + 1
-    ps = runner.page_size
-    fits = runner.num_pages // -(-chain // ps)  # chains that fit the pool at once
-    counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= min(max_running, fits)]
+    prefix = max(0, min(PROFILE_PREFIX, runner.context_length - chain))
+    counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_running]
     sizes = sorted({n * chain for n in counts} | {1})
-
-    def forward(tokens: int) -> None:
-        entries, page = [], 0
-        for start in range(0, tokens, chain):
-            n = min(chain, tokens - start)
-            pages = list(range(page, page + -(-n // ps)))
-            page += len(pages)
-            entries.append(BatchEntry([0] * n, 0, pages, list(range(n))))
-        runner.forward(ScheduledBatch(entries, []))
-
-    table = profile_sps(forward, sizes)
+    table = profile_sps(lambda tokens: runner.verify_forward(tokens, chain, prefix), sizes)
     logger.info(
         "verify steps/s by batch tokens: %s", json.dumps({b: round(table(b), 1) for b in sizes})
     )
