@@ -263,7 +263,7 @@ def round_profile(engines, prompts, sp, args, root: str) -> int:
         wrap(core.runner, "forward", "target forward")
         spec = core.spec
         if spec is not None:
-            wrap(spec, "prepare", "drafting (propose)")
+            wrap(spec, "propose", "drafting (propose)")
             wrap(spec, "verify", "chain verification")
             model = spec.proposer.model
             wrap(model, "block_hidden", "  draft layers over the block")

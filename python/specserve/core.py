@@ -102,9 +102,16 @@ class Req:
     stop_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids
     grammar: GrammarMatcher | None = None  # at the committed state
 
-    # Speculation: the proposer's own state, and what verification did.
+    # Speculation: the proposer's own state; the drafts proposed at the end of
+    # the last step, which the next one schedules after the anchor (with the
+    # distributions they were drawn from, None for one-hot); what verify did.
     draft_state: Any = None
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_q: torch.Tensor | None = None  # [len(spec_token_ids), V]
     spec: SpecStats = field(default_factory=lambda: SpecStats())
+
+    def set_drafts(self, tokens: list[int], q: torch.Tensor | None = None) -> None:
+        self.spec_token_ids, self.spec_draft_q = tokens, q
 
     def __post_init__(self) -> None:
         self.detok = DetokState.start(self.prompt_ids)
@@ -234,6 +241,4 @@ class ScheduledBatch:
         return self._subset(slice(0, mid)), self._subset(slice(mid, None))
 
     def _subset(self, part: slice) -> ScheduledBatch:
-        # Only a scheduled batch is split, never the one speculation made of it,
-        # so no step verifies yet.
         return ScheduledBatch(self.entries[part], self.steps[part], self.capture_layer_ids)

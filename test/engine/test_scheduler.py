@@ -134,3 +134,30 @@ def test_abort_running_and_waiting_frees_pages() -> None:
     assert s.abort("a") is a and a.finish_reason.type == "abort"
     assert s.abort("b") is b and s.abort("nope") is None
     assert s.block_pool.free_pages() == 8 and not s.has_work()
+
+
+def test_drafts_are_scheduled_as_tokens_with_their_kv() -> None:
+    """Drafts proposed at the end of a step are the next step's tokens after
+    the anchor: pages reserved for them, every row's logits returned, consumed
+    by that schedule; a preemption drops them."""
+    s = Scheduler(SchedulerConfig(), BlockPool(16, 4), lookahead=4)
+    r = req("r", 6)
+    s.add(r)
+    step(s)  # the prompt; its first token sampled
+    r.set_drafts([7, 8, 9])
+    b = s.schedule()
+    (entry,), (st,) = b.entries, b.steps
+    assert entry.token_ids == [r.output_ids[-1], 7, 8, 9] and entry.prefix_len == 6
+    assert entry.logit_rows == [0, 1, 2, 3] and st.verify and st.drafts == [7, 8, 9]
+    assert len(r.page_table) * 4 >= 6 + 4  # room for the anchor and its drafts
+    assert r.spec_token_ids == []  # consumed
+    # Without drafts a decoding step is still a chain (of the anchor alone).
+    r.num_computed = 7
+    r.output_ids.append(5)
+    b = s.schedule()
+    assert b.entries[0].token_ids == [5] and b.steps[0].verify and b.steps[0].drafts == []
+    r.num_computed = 8
+    r.output_ids.append(6)
+    r.set_drafts([1, 2])
+    s._preempt(r)
+    assert r.spec_token_ids == [] and r.page_table == []

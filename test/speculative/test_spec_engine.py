@@ -323,3 +323,23 @@ def test_requests_run_to_the_context_end(drafters, tmp_path, drafter_positions) 
     finally:
         ref.shutdown()
         spec.shutdown()
+
+
+def test_the_scheduled_batch_is_the_one_that_runs(drafters) -> None:
+    """The scheduler's output is final: the runner gets the very batch it made,
+    drafts included, and speculation is called once per step, at its end."""
+    eng = engine(spec_configs(drafters)["dspark-rnn"])
+    try:
+        made, ran, proposed = [], [], []
+        schedule, forward = eng.core.scheduler.schedule, eng.runner.forward
+        propose = eng.core.spec.propose
+        eng.core.scheduler.schedule = lambda: (made.append(schedule()), made[-1])[1]
+        eng.runner.forward = lambda batch: (ran.append(batch), forward(batch))[1]
+        eng.core.spec.propose = lambda reqs: (proposed.append(len(ran)), propose(reqs))[1]
+        eng.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY)
+        steps = [b for b in made if b is not None]
+        assert len(ran) == len(steps) and all(a is b for a, b in zip(ran, steps))
+        assert any(s.drafts for b in steps for s in b.steps)
+        assert proposed == list(range(1, len(ran) + 1))  # after each step's forward
+    finally:
+        eng.shutdown()

@@ -124,6 +124,7 @@ class EngineCore:
             self.block_pool,
             lookahead=proposer.max_drafts if proposer else 0,
             on_release=proposer.release if proposer else None,
+            capture_layer_ids=proposer.capture_layer_ids if proposer else (),
         )
         self.spec = (
             SpecDecoder(proposer, self.scheduler, config.kernel_backend) if proposer else None
@@ -188,6 +189,8 @@ class EngineCore:
         if batch is None:
             return []
         self._run(batch)
+        if self.spec is not None:
+            self._propose([step.req for step in batch.steps])
         self.scheduler.reap_finished()
         return [self._delta(step.req) for step in batch.steps]
 
@@ -218,12 +221,31 @@ class EngineCore:
             return
         self._commit(computed)
 
+    def _propose(self, reqs: list[Req]) -> None:
+        """Drafts for the next step (the step's last stage). A failure reruns on
+        halves, seeded generators restored, until the request that causes it
+        fails alone; the others keep the drafts they would have had alone."""
+        assert self.spec is not None
+        saved = [(g, g.get_state()) for r in reqs if (g := r.generator) is not None]
+        try:
+            self.spec.propose(reqs)
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            for generator, state in saved:
+                generator.set_state(state)
+            if len(reqs) == 1:
+                self._fail(reqs[0], e)
+                return
+            mid = len(reqs) // 2
+            self._propose(reqs[:mid])
+            self._propose(reqs[mid:])
+
     def _compute(self, batch: ScheduledBatch) -> _Computed:
-        """Drafting, the forward, sampling or verification, and the scores of
-        every row that may commit: batched, and without committing anything.
-        The device is read back once here (and once by a drafting proposer)."""
-        if self.spec is not None:
-            batch = self.spec.prepare(batch)
+        """The forward, sampling or verification, and the scores of every row
+        that may commit: batched, and without committing anything. The device
+        is read back once here (and once by a drafting proposer, at the end
+        of the step)."""
         fwd = self.runner.forward(batch)
         # Every row a token is drawn or verified from, as the sampler sees it.
         rows = step_rows(batch.steps, fwd.row_offsets, self.runner.vocab_size)

@@ -26,12 +26,15 @@ class Scheduler:
         block_pool: BlockPool,
         lookahead: int = 0,
         on_release: Callable[[Req], None] | None = None,
+        capture_layer_ids: tuple[int, ...] = (),
     ) -> None:
         self.config = config
         self.block_pool = block_pool
-        # Speculation: a decoding request also needs KV room for its drafts.
+        # Speculation (lookahead > 0): a decoding request's step is a verify
+        # chain, its drafts scheduled as tokens to compute after the anchor.
         self.lookahead = lookahead
         self.on_release = on_release  # drops per-request state kept elsewhere (drafts)
+        self.capture_layer_ids = capture_layer_ids  # target layers every forward captures
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
@@ -81,7 +84,7 @@ class Scheduler:
             n = pending if pending == 1 else min(pending, budget)
             if n == 0:
                 continue
-            room = n + self.max_drafts(req) if pending == 1 and req.output_ids else n
+            room = n + len(req.spec_token_ids) if pending == 1 else n
             if not self._reserve(req, room):
                 preempted = True
                 continue
@@ -140,6 +143,7 @@ class Scheduler:
         self.block_pool.release(req.page_table)
         req.page_table = []
         req.num_computed = 0
+        req.set_drafts([])
         if self.on_release is not None:
             self.on_release(req)
 
@@ -166,10 +170,20 @@ class Scheduler:
             rows = list(range(q_lo - 1 - start, q_hi - 1 - start)) if num_in else []
             if sample:
                 rows.append(n - 1)
-            entries.append(BatchEntry(req.tokens_from(start, end), start, req.page_table, rows))
             decoding = n == 1 and sample and num_in == 0 and bool(req.output_ids)
+            tokens = req.tokens_from(start, end)
+            if decoding and self.lookahead:
+                # A verify chain: the anchor, then the drafts proposed last step
+                # (consumed here; the pages for them were reserved above).
+                drafts, q = req.spec_token_ids, req.spec_draft_q
+                req.set_drafts([])
+                chain = list(range(1 + len(drafts)))
+                entries.append(BatchEntry(tokens + drafts, start, req.page_table, chain))
+                steps.append(ReqStep(req, q_lo, 0, True, drafts, q, verify=True, decoding=True))
+                continue
+            entries.append(BatchEntry(tokens, start, req.page_table, rows))
             steps.append(ReqStep(req, q_lo, num_in, sample, decoding=decoding))
-        return ScheduledBatch(entries, steps)
+        return ScheduledBatch(entries, steps, self.capture_layer_ids)
 
     def reap_finished(self) -> list[Req]:
         """Drops finished requests from the running set and frees their pages."""

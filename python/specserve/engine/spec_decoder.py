@@ -1,9 +1,10 @@
 """One speculative round, the same for every proposer.
 
-Before the forward, decoding requests get a draft chain: in the batch that
-runs, their entry is ``[anchor, x_1..x_L]`` with every row's logits returned
-(VERIFY).
-After it, each chain reads its rows of the step's processed logits (the
+At the end of a step, every request that decodes next gets drafts
+(``propose``), kept on the request; the next step's scheduler feeds them as
+ordinary tokens after the anchor, a chain ``[anchor, x_1..x_L]`` with every
+row's logits returned, with KV reserved for them like any token. After that
+step's forward, each chain reads its rows of the step's processed logits (the
 engine processes every sampled and verified row at once: ``sampling/metadata.py``,
 with penalties over the chain prefix, min-token suppression and the grammar's
 chain masks), ``verify_chains`` decides what is committed, and the commit goes
@@ -14,11 +15,11 @@ features go to the proposer.
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Sequence
 
 import torch
 
-from specserve.core import BatchEntry, ReqStep, ScheduledBatch, SpecStats
+from specserve.core import BatchEntry, Req, ReqStep, ScheduledBatch, SpecStats
 from specserve.engine.output_processor import PendingRuns
 from specserve.engine.scheduler import Scheduler
 from specserve.sampling.metadata import StepRows
@@ -38,29 +39,23 @@ class SpecDecoder:
         self.kernel_backend = kernel_backend
         self.stats = SpecStats()  # request-rounds, over the engine's life
 
-    def prepare(self, batch: ScheduledBatch) -> ScheduledBatch:
-        """The batch to run: every decoding entry becomes a verify chain
-        (possibly of no drafts). ``batch`` itself is left as it is, so a failed
-        step can be rerun from it."""
-        chosen = [i for i, step in enumerate(batch.steps) if step.decoding]
-        entries, steps = list(batch.entries), list(batch.steps)
-        if chosen:
-            reqs = [batch.steps[i].req for i in chosen]
-            limits = [self.scheduler.max_drafts(r) for r in reqs]
-            proposal = self.proposer.propose(reqs, limits)
-            lengths = self.proposer.verify_lengths(proposal)
-            for k, i in enumerate(chosen):
-                n = max(0, min(lengths[k], limits[k], len(proposal.tokens[k])))
-                drafts = proposal.tokens[k][:n]
-                q = proposal.q[k]
-                steps[i] = dataclasses.replace(
-                    steps[i], verify=True, drafts=drafts, draft_q=None if q is None else q[:n]
-                )
-                entry = entries[i]
-                entries[i] = dataclasses.replace(
-                    entry, token_ids=entry.token_ids + drafts, logit_rows=list(range(1 + n))
-                )
-        return ScheduledBatch(entries, steps, self.proposer.capture_layer_ids)
+    def propose(self, reqs: Sequence[Req]) -> None:
+        """Drafts for the next step of each of ``reqs`` that decodes next (its
+        anchor, the last committed token, is not in the KV yet), stored on the
+        request: the scheduler schedules them after the anchor. Runs at the
+        end of a step, once its commits (and the features they captured) are in."""
+        todo = [
+            r for r in reqs if not r.finished and r.output_ids and r.num_computed == r.seq_len - 1
+        ]
+        if not todo:
+            return
+        limits = [self.scheduler.max_drafts(r) for r in todo]
+        proposal = self.proposer.propose(todo, limits)
+        lengths = self.proposer.verify_lengths(proposal)
+        for k, req in enumerate(todo):
+            n = max(0, min(lengths[k], limits[k], len(proposal.tokens[k])))
+            q = proposal.q[k]
+            req.set_drafts(proposal.tokens[k][:n], None if q is None else q[:n])
 
     def verify(
         self,
