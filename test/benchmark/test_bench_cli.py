@@ -21,7 +21,9 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("script", ["bench_spec.py", "bench_offline.py", "bench_growth.py"])
+@pytest.mark.parametrize(
+    "script", ["bench_spec.py", "bench_offline.py", "bench_growth.py", "bench_step.py"]
+)
 def test_a_missing_model_is_named(script, tmp_path) -> None:
     missing = str(tmp_path / "no-such-model")
     done = run(script, "--model-path", missing)

@@ -87,6 +87,18 @@ class LogitsHead(nn.Linear):
         trained through)."""
         k_major_(self.weight)
 
+    def cpu_weight(self) -> torch.Tensor:
+        """The float32 weight the CPU path multiplies by: the weight itself, or
+        its float32 copy (made once, K-major, refreshed when the weight changes)."""
+        w = self.weight
+        if w.dtype == torch.float32:
+            return w
+        key = (w.data_ptr(), w._version)
+        if self._fp32_of != key:
+            self._fp32, self._fp32_of = w.detach().t().float().contiguous().t(), key
+        assert self._fp32 is not None
+        return self._fp32
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., V] float32
         w = self.weight
         if w.dtype == torch.float32:
@@ -95,8 +107,5 @@ class LogitsHead(nn.Linear):
         if w.is_cuda:
             out = torch.mm(flat, w.t(), out_dtype=torch.float32)
         else:
-            key = (w.data_ptr(), w._version)
-            if self._fp32_of != key:
-                self._fp32, self._fp32_of = w.detach().t().float().contiguous().t(), key
-            out = F.linear(flat.float(), self._fp32)
+            out = F.linear(flat.float(), self.cpu_weight())
         return out.view(*x.shape[:-1], w.shape[0])
