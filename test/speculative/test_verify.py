@@ -12,10 +12,12 @@ from specserve.sampling.params import SamplingParams
 from specserve.speculative.verify import Chain, verify_chains
 
 
-def run(logits, drafts, q, params, generator) -> tuple[list[int], int]:
+def run(logits, drafts, q, params, generator, shared=False) -> tuple[list[int], int]:
     """One chain: the committed tokens (accepted drafts + one more) and how
-    many drafts were accepted."""
-    out = verify_chains([Chain(logits, drafts, q, params, generator)])
+    many drafts were accepted; ``shared``: its uniforms come from the shared
+    generator (an unseeded request) instead of its own."""
+    chain = Chain(logits, drafts, q, params, None if shared else generator)
+    out = verify_chains([chain], shared=generator if shared else None)
     accept, nxt = int(out.accept_len[0]), int(out.next_token[0])
     return drafts[:accept] + [nxt], accept
 
@@ -36,7 +38,7 @@ def test_greedy_accepts_while_drafts_equal_the_argmax() -> None:
     assert run(logits[:1], [], None, greedy, g) == ([2], 0)
 
 
-def chain_distribution(p_rows, q_rows, draft_probs, n, seed, params):
+def chain_distribution(p_rows, q_rows, draft_probs, n, seed, params, shared=False):
     """Empirical distribution of the first two committed tokens."""
     g = torch.Generator().manual_seed(seed)
     counts: dict[tuple[int, int], int] = {}
@@ -44,7 +46,7 @@ def chain_distribution(p_rows, q_rows, draft_probs, n, seed, params):
     for _ in range(n):
         drafts = [int(torch.multinomial(draft_probs[j], 1, generator=g)) for j in range(2)]
         q = None if q_rows is None else q_rows
-        tokens, accepted = run(p_rows, drafts, q, params, g)
+        tokens, accepted = run(p_rows, drafts, q, params, g, shared)
         first[tokens[0]] += 1
         if accepted >= 1:
             key = (tokens[0], tokens[1])
@@ -52,8 +54,9 @@ def chain_distribution(p_rows, q_rows, draft_probs, n, seed, params):
     return first / n, counts
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["seeded", "shared-generator"])
 @pytest.mark.parametrize("one_hot", [False, True])
-def test_rejection_sampling_reproduces_the_target_distribution(one_hot) -> None:
+def test_rejection_sampling_reproduces_the_target_distribution(one_hot, shared) -> None:
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(3, V, generator=g) * 1.5
     params = SamplingParams(temperature=0.8)
@@ -64,7 +67,7 @@ def test_rejection_sampling_reproduces_the_target_distribution(one_hot) -> None:
         # Deterministic drafts: always propose token 3 then 1 (q is one-hot).
         draft = torch.zeros(2, V)
         draft[0, 3] = draft[1, 1] = 1.0
-    first, _ = chain_distribution(logits, None if one_hot else draft, draft, n, 7, params)
+    first, _ = chain_distribution(logits, None if one_hot else draft, draft, n, 7, params, shared)
     assert 0.5 * (first - p[0]).abs().sum() < 0.02
 
 

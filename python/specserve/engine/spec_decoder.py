@@ -75,14 +75,12 @@ class SpecDecoder:
                 continue
             req, span = step.req, rows.spans[i]
             x = processed[span.start : span.stop]  # [1 + L, V]
-            chains.append(
-                Chain(x, step.drafts, step.draft_q, req.sampling, req.generator or shared_generator)
-            )
+            chains.append(Chain(x, step.drafts, step.draft_q, req.sampling, req.generator))
             steps.append(i)
             scoring.append(rows.logit_rows[span.start : span.stop])
         if not chains:
             return None
-        outcome = verify_chains(chains, self.kernel_backend)
+        outcome = verify_chains(chains, self.kernel_backend, shared_generator)
         return PendingRuns(steps, scoring, outcome.candidates(chains), outcome.accept_len)
 
     def finish(

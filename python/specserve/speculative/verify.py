@@ -30,7 +30,7 @@ class Chain:
     drafts: list[int]  # x_1..x_L
     q: torch.Tensor | None  # [L, V] draft distributions, or None (one-hot)
     params: SamplingParams
-    generator: torch.Generator
+    generator: torch.Generator | None = None  # a seeded request's own; None: the shared one
 
 
 @dataclass
@@ -59,7 +59,9 @@ class ChainOutcome:
         return rows.flatten()[torch.tensor(live, dtype=torch.int64).to(device, non_blocking=True)]
 
 
-def verify_chains(chains: Sequence[Chain], backend: str = "auto") -> ChainOutcome:
+def verify_chains(
+    chains: Sequence[Chain], backend: str = "auto", shared: torch.Generator | None = None
+) -> ChainOutcome:
     """All chains of a round: greedy ones in one kernel call, sampled ones in
     (at most) two, so the GPU path never loops over requests; nothing is
     read back to the host."""
@@ -84,7 +86,7 @@ def verify_chains(chains: Sequence[Chain], backend: str = "auto") -> ChainOutcom
             i for i, c in enumerate(chains) if not c.params.greedy and (c.q is None) == one_hot
         ]
         if group:
-            place(group, _rejection([chains[i] for i in group], one_hot, backend))
+            place(group, _rejection([chains[i] for i in group], one_hot, backend, shared))
     return ChainOutcome(accept, nxt)
 
 
@@ -101,21 +103,23 @@ def _layout(
 
 
 def _rejection(
-    members: list[Chain], one_hot: bool, backend: str
+    members: list[Chain], one_hot: bool, backend: str, shared: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows = torch.cat([c.logits for c in members])  # [sum(1 + L), V]
     probs = target_probs(rows, [c.params for c in members for _ in range(1 + len(c.drafts))])
     device = probs.device
     starts, drafts, lengths = _layout(members, device)
     width = drafts.shape[1]
-    # Each chain draws exactly L + 1 uniforms from its own generator, whatever
-    # else is in the batch: seeded requests stay reproducible. They stay on
-    # the device (the generators live there).
-    uniforms = torch.zeros(len(members), width + 1, device=device)
+    # Columns 0..L-1: the accept tests; column ``width``: the final draw.
+    # Unseeded chains draw theirs from the shared generator in one call. A
+    # seeded chain draws exactly L + 1 from its own, whatever else is in the
+    # batch, so seeded requests stay reproducible. All on the device.
+    uniforms = torch.rand(len(members), width + 1, generator=shared, device=device)
     for b, c in enumerate(members):
-        u = torch.rand(len(c.drafts) + 1, generator=c.generator, device=c.generator.device)
-        uniforms[b, : len(c.drafts)] = u[:-1].to(device)
-        uniforms[b, width] = u[-1].to(device)
+        if c.generator is not None:
+            u = torch.rand(len(c.drafts) + 1, generator=c.generator, device=c.generator.device)
+            uniforms[b, : len(c.drafts)] = u[:-1].to(device)
+            uniforms[b, width] = u[-1].to(device)
     q = q_starts = None
     if not one_hot:
         q = torch.cat([c.q.to(probs.dtype) for c in members])  # type: ignore[union-attr]
