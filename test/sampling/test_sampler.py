@@ -174,3 +174,17 @@ def test_mixed_rows_are_processed_as_each_alone() -> None:
     want[[0, 5]] = float("-inf")
     torch.testing.assert_close(got[3], want)
     torch.testing.assert_close(got[4], logits[4])
+
+
+def test_nan_logits_are_impossible_tokens_when_sampling_too() -> None:
+    """The NaN contract of greedy verify and the logprob kernel holds for plain
+    sampling: a NaN logit is never drawn, greedily or not."""
+    logits = torch.tensor([[0.0, float("nan"), 1.0, -1.0]] * 4)
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    greedy = sampler.sample(
+        logits[:1], SamplingMetadata([controls(SamplingParams(temperature=0))], [None])
+    )
+    assert greedy.tolist() == [2]
+    rows = [controls(SamplingParams(temperature=1.0))] * 4000
+    drawn = sampler.sample(logits[:1].repeat(4000, 1), SamplingMetadata(rows, [None] * 4000))
+    assert 1 not in drawn.tolist() and {0, 2, 3} <= set(drawn.tolist())

@@ -47,10 +47,11 @@ DEFAULT_BLOCK_V = 1024
 # --------------------------------------------------------------------------- reference
 
 
-def _argmax_lowest(x: torch.Tensor) -> torch.Tensor:
-    """Row argmax of ``[R, V]``, ties to the lowest index (``torch.argmax``
-    returns the first maximum on every device); NaN is never the argmax (both
-    paths), so it counts as -inf."""
+def greedy_argmax(x: torch.Tensor) -> torch.Tensor:
+    """The greedy token of each row of ``[R, V]``: the argmax, ties to the
+    lowest index (``torch.argmax`` returns the first maximum on every device);
+    NaN is never the argmax (both paths), so it counts as -inf. Plain greedy
+    sampling uses it too: one rule for the greedy token."""
     inf = float("inf")
     return torch.nan_to_num(x.float(), nan=-inf, posinf=inf, neginf=-inf).argmax(dim=-1)  # [R]
 
@@ -68,7 +69,7 @@ def greedy_verify_ref(
     if b == 0:
         empty = torch.empty(0, dtype=torch.int64, device=dev)
         return empty, empty.clone()
-    return _accept(_argmax_lowest(logits), row_starts, drafts, lengths)
+    return _accept(greedy_argmax(logits), row_starts, drafts, lengths)
 
 
 def _accept(

@@ -114,7 +114,9 @@ def target_probs(processed: torch.Tensor, params: Sequence[SamplingParams]) -> t
     temps = torch.tensor(
         [1.0 if p.greedy else p.temperature for p in params], device=processed.device
     )
-    probs = torch.softmax(processed / temps[:, None], dim=-1)
+    # NaN counts as -inf (an impossible token), as for greedy and logprobs.
+    x = processed.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    probs = torch.softmax(x / temps[:, None], dim=-1)
     filtered = [i for i, p in enumerate(params) if p.needs_filter]
     if filtered:
         kept = filter_probs(probs[filtered], [params[i] for i in filtered])

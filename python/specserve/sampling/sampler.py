@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specserve.kernels.chain_verify import greedy_argmax
 from specserve.sampling.metadata import SamplingMetadata, target_probs
 
 
@@ -21,7 +22,7 @@ class Sampler:
         """One token per row of ``processed [N, V]`` (``processed_logits`` of
         ``meta``'s rows): the argmax for greedy rows, a draw from
         ``target_probs`` for the others. ``[N]`` int64, on the device."""
-        tokens = processed.argmax(dim=-1)  # [N]; greedy rows keep this
+        tokens = greedy_argmax(processed)  # [N]; greedy rows keep this
         sampled = [i for i, p in enumerate(meta.params) if not p.greedy]
         if sampled:
             part = meta.select(sampled)
