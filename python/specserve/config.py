@@ -297,6 +297,9 @@ class EngineConfig:
     # None: triton on CUDA, torch_native elsewhere.
     attention_backend: str | None = None
     grammar_backend: str = "xgrammar"  # or "none"
+    # torch.compile the target layers' dense parts (off: on this project's CPUs
+    # eager is faster, see docs/benchmarks.md).
+    enable_torch_compile: bool = False
     # On CUDA the engine runs a few tiny requests at start-up, so that every
     # common kernel variant is compiled before the first user's request.
     skip_server_warmup: bool = False

@@ -95,7 +95,9 @@ class Engine:
         # Set when the engine stopped on an error no request caused (a device
         # error, a scheduler bug): every request ends and no new one is taken.
         self.error: str | None = None
-        if self.runner.device.type == "cuda" and not self.config.skip_server_warmup:
+        # Kernels compile on their first launch: on CUDA, and for compiled layers.
+        compiles = self.runner.device.type == "cuda" or self.config.enable_torch_compile
+        if compiles and not self.config.skip_server_warmup:
             self.warm_up()
         logger.info(
             "engine ready: %s (%s) on %s, %s, KV capacity %d tokens, loaded in %.1fs",

@@ -19,9 +19,8 @@ from specserve.layers.rotary import RotaryEmbedding
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.layer_id = layer_id
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -54,9 +53,10 @@ class DecoderAttention(nn.Module):
             )
             self.qk_norm_weight = w.contiguous()
 
-    def forward(
-        self, x: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend
-    ) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed, rotated queries and keys and the values ``[T, heads, D]``."""
         t = x.shape[0]
         # F.linear on the weights directly: module calls cost more than the
         # matmuls of a small model at decode batch sizes.
@@ -66,10 +66,8 @@ class DecoderAttention(nn.Module):
         qk, v = heads[:, :n_qk], heads[:, n_qk:]
         if self.qk_norm_weight is not None:
             qk = rms_norm(qk, self.qk_norm_weight, self.eps)
-        qk = self.rotary(meta.positions, qk)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        o = backend.forward(self.layer_id, q, k, v, meta)  # [T, H, D]
-        return F.linear(o.reshape(t, -1), self.o_proj.weight, self.o_proj.bias)
+        qk = self.rotary(positions, qk)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
 
 
 class DecoderMLP(nn.Module):
@@ -86,18 +84,27 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, layer_id, rotary)
+        self.self_attn = DecoderAttention(cfg, rotary)
         self.mlp = DecoderMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, h: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend
-    ) -> torch.Tensor:
-        h = h + self.self_attn.forward(self.input_layernorm.forward(h), meta, backend)
-        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
+
+def before_attention(
+    layer: DecoderLayer, h: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's dense part before attention: input norm, q|k|v, q/k norms, RoPE."""
+    return layer.self_attn.project(layer.input_layernorm.forward(h), positions)
+
+
+def after_attention(layer: DecoderLayer, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """A layer's dense part after attention (``o [T, H, D]``): the output
+    projection and residual, the post-attention norm, the MLP and residual."""
+    attn = layer.self_attn
+    h = h + F.linear(o.reshape(o.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
+    return h + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
 
 
 class DecoderBody(nn.Module):
@@ -106,7 +113,7 @@ class DecoderBody(nn.Module):
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_position)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            [DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers)]
+            [DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -127,6 +134,9 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = LogitsHead(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # The layers' dense parts, eager unless ``compile_dense`` replaces them.
+        self._before = before_attention
+        self._after = after_attention
 
     def forward(
         self,
@@ -141,10 +151,19 @@ class DecoderForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         captured = [h] if -1 in capture_layer_ids else []
         for i, layer in enumerate(self.model.layers):
-            h = layer.forward(h, meta, backend)
+            q, k, v = self._before(layer, h, meta.positions)
+            o = backend.forward(i, q, k, v, meta)  # [T, H, D]
+            h = self._after(layer, h, o)
             if i in capture_layer_ids:
                 captured.append(h)
         return self.model.norm.forward(h), captured
+
+    def compile_dense(self) -> None:
+        """``torch.compile`` the layers' dense parts (everything but the paged
+        attention), shared by every layer: one graph per shape class, fused
+        element-wise ops (on CUDA, far fewer kernel launches)."""
+        self._before = torch.compile(before_attention, dynamic=True)
+        self._after = torch.compile(after_attention, dynamic=True)
 
     def post_load(self) -> None:
         """Rebuilds state derived from the weights; the loader calls it."""

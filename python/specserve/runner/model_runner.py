@@ -48,6 +48,8 @@ class ModelRunner:
         self.model = load_model(
             config.model_path, self.model_config, self.dtype, self.device, self.context_length
         )
+        if config.enable_torch_compile:
+            self.model.compile_dense()  # compiles on the first forward of each shape class
         self.load_seconds = time.perf_counter() - start
         self.page_size = config.cache.page_size
         if allocate_kv:

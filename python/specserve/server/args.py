@@ -73,6 +73,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "torch_native: SDPA over gathered pages (default elsewhere)",
     )
     g.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        default=None,
+        help="torch.compile the layers' dense parts (norms, projections, RoPE, MLP); "
+        "attention stays the paged backend",
+    )
+    g.add_argument(
         "--skip-server-warmup",
         action="store_true",
         default=None,
