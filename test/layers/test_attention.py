@@ -26,12 +26,20 @@ def dense_reference(q, keys, values, kv_len):
     return o.transpose(0, 1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_mixed_batch_matches_dense_attention(dtype) -> None:
-    g = torch.Generator().manual_seed(0)
+BATCHES = {
     # (cached prefix, new tokens): two decodes, a verify chain, a prefill chunk
     # over a prefix and a fresh prefill.
-    shapes = [(9, 1), (2, 1), (6, 5), (5, 20), (0, 7)]
+    "mixed": [(9, 1), (2, 1), (6, 5), (5, 20), (0, 7)],
+    "chains-only": [(9, 5), (3, 5), (12, 5)],  # the whole batch as views
+    "ragged-chains": [(9, 5), (3, 2), (12, 8)],  # padded to the longest
+}
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_mixed_batch_matches_dense_attention(dtype, batch) -> None:
+    g = torch.Generator().manual_seed(0)
+    shapes = BATCHES[batch]
     pool = KVPool(1, 64, PS, HKV, D, dtype, "cpu")
     backend = TorchAttentionBackend(pool)
     tables, page = [], 0
@@ -62,7 +70,9 @@ def test_mixed_batch_matches_dense_attention(dtype) -> None:
     )
     backend.prepare(meta)
     plan = meta.plan
-    assert plan.single_bias.dtype == dtype and plan.single_bias.device.type == "cpu"
+    for bias in (plan.single_bias, plan.chain_bias):  # masks in the queries' dtype
+        assert bias is None or (bias.dtype == dtype and bias.device.type == "cpu")
+    assert plan.chain_whole == (batch == "chains-only")
     q = torch.randn(len(positions), H, D, generator=g).to(dtype)
     new_k = torch.cat([k[p:] for (p, _), k in zip(shapes, full_k)])
     new_v = torch.cat([v[p:] for (p, _), v in zip(shapes, full_v)])

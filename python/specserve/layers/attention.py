@@ -79,10 +79,13 @@ class _TorchPlan:
     causal: bool = True
     # Short chains over a cached prefix (speculative verify), batched with padding.
     chain_index: torch.Tensor | None = None  # [Bc, Qmax] token rows (padding repeats a row)
-    chain_valid: torch.Tensor | None = None  # [Bc, Qmax] bool: a real query
+    chain_valid: torch.Tensor | None = None  # [Bc, Qmax] bool: a real query; None: all are
     chain_rows: torch.Tensor | None = None  # [n] token rows of the real queries, in order
     chain_pages: torch.Tensor | None = None  # [Bc, P]
-    chain_mask: torch.Tensor | None = None  # [Bc, 1, Qmax, P * page_size] bool
+    chain_bias: torch.Tensor | None = None  # [Bc, 1, Qmax, P * page_size]: 0 or -inf
+    # The batch is exactly its chains, all of one length: q and the output are
+    # views, no gather or scatter.
+    chain_whole: bool = False
 
 
 # Chains up to this long share one padded SDPA call; longer chunks go one by one.
@@ -157,12 +160,16 @@ class TorchAttentionBackend(AttentionBackend):
         qpos = last - q_len_t[:, None] + 1 + torch.minimum(offs[None, :], q_len_t[:, None] - 1)
         if not meta.causal:
             qpos = last.expand(-1, qmax)
-        mask = torch.arange(width * ps)[None, None, :] <= qpos[:, :, None]  # [Bc, Qmax, P*ps]
-        plan.chain_index = index.to(device)
-        plan.chain_valid = valid.to(device)
+        past = torch.arange(width * ps)[None, None, :] > qpos[:, :, None]  # [Bc, Qmax, P*ps]
+        padded = not bool(valid.all())
+        plan.chain_whole = not padded and len(ids) == len(meta.q_lens)
+        plan.chain_index = None if plan.chain_whole else index.to(device)
+        plan.chain_valid = valid.to(device) if padded else None
         plan.chain_rows = index[valid].to(device)
         plan.chain_pages = pages.to(device)
-        plan.chain_mask = mask[:, None].to(device)
+        # An additive bias in the queries' dtype, built once for every layer
+        # (SDPA would turn a boolean mask into one in each call).
+        plan.chain_bias = padding_bias(past, self.kv_pool.dtype, device)[:, None]
 
     def _gather(self, cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
         """``[..., P]`` page ids -> ``[..., P * page_size, Hkv, D]`` keys or values."""
@@ -189,14 +196,19 @@ class TorchAttentionBackend(AttentionBackend):
                 out = o
             else:
                 out[plan.single_rows] = o
-        if plan.chain_index is not None:
-            qc = q[plan.chain_index].transpose(1, 2)  # [Bc, H, Qmax, D]
+        if plan.chain_pages is not None:
+            bc = plan.chain_pages.shape[0]
+            whole = plan.chain_whole
+            qc = q.view(bc, -1, *q.shape[1:]) if whole else q[plan.chain_index]  # [Bc, Qmax, H, D]
             kc = self._gather(k_cache, plan.chain_pages, ps).transpose(1, 2)  # [Bc, Hkv, L, D]
             vc = self._gather(v_cache, plan.chain_pages, ps).transpose(1, 2)
             o = F.scaled_dot_product_attention(
-                qc, kc, vc, attn_mask=plan.chain_mask, enable_gqa=gqa
-            )
-            out[plan.chain_rows] = o.transpose(1, 2)[plan.chain_valid]
+                qc.transpose(1, 2), kc, vc, attn_mask=plan.chain_bias, enable_gqa=gqa
+            ).transpose(1, 2)  # [Bc, Qmax, H, D]
+            if plan.chain_whole:
+                return o.reshape(q.shape)
+            o = o.reshape(-1, *q.shape[1:]) if plan.chain_valid is None else o[plan.chain_valid]
+            out[plan.chain_rows] = o
         for start, q_len, kv_len, pages in plan.multi:
             qm = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
             if pages is None:
