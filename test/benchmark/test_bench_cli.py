@@ -65,3 +65,23 @@ def test_gpu_check_is_well_formed_and_skips_without_cuda(tmp_path) -> None:
     assert done.returncode == 0, done.stdout[-3000:]
     assert "needs a CUDA device" in done.stdout and "benchmarks are left out" in done.stdout
     assert os.path.isfile(tmp_path / "out" / "gpu_check.log")
+
+
+def test_llama_cpp_comparison_says_what_it_lacks_and_exits_0() -> None:
+    """Without llama-cpp-python (hidden here if installed) or without a converter."""
+    script = os.path.join(ROOT, "benchmark", "bench_llama_cpp.py")
+    hide = "import sys, runpy; sys.modules['llama_cpp'] = None; sys.argv = [sys.argv[1]];"
+    done = subprocess.run(
+        [sys.executable, "-c", hide + " runpy.run_path(sys.argv[0], run_name='__main__')", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "llama-cpp-python is not installed" in done.stderr
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return
+    done = run("bench_llama_cpp.py", "--converter", "/no/such/convert_hf_to_gguf.py")
+    assert done.returncode == 0 and "--converter must name" in done.stderr
