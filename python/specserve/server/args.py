@@ -351,9 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
         "make-tiny-model", help="write a tiny random-weight checkpoint with a real tokenizer"
     )
     tiny.add_argument("path")
-    tiny.add_argument("--arch", choices=("qwen3", "llama"), default="qwen3")
+    tiny.add_argument("--arch", choices=("qwen3", "llama", "deepseek_v4"), default="qwen3")
     tiny.add_argument("--tie-word-embeddings", action="store_true")
-    tiny.add_argument("--num-layers", type=int, default=2)
+    tiny.add_argument(
+        "--num-layers", type=int, default=None, help="default 2 (deepseek_v4: 5, every kind)"
+    )
     tiny.add_argument("--hidden-size", type=int, default=64)
     tiny.add_argument("--seed", type=int, default=0)
     return parser

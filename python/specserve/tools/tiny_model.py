@@ -2,9 +2,9 @@
 
 No model can be downloaded on a fresh machine, so examples and tests build
 their own: a byte-level BPE tokenizer trained on Python's own documentation
-(``pydoc_data.topics``) and a Qwen3 or Llama checkpoint with random weights
-from a fixed seed, written by transformers' ``save_pretrained`` so that the
-checkpoint is exactly what an HF user would have on disk.
+(``pydoc_data.topics``) and a Qwen3, Llama or DeepSeek-V4 checkpoint with
+random weights from a fixed seed, written by transformers' ``save_pretrained``
+so that the checkpoint is exactly what an HF user would have on disk.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from typing import Any
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
+ARCHS = ("qwen3", "llama", "deepseek_v4")
+V4_ATTENTION = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -123,8 +125,10 @@ def make_tiny_model(
         config = Qwen3Config(**common)
     elif arch == "llama":
         config = LlamaConfig(**common)
+    elif arch == "deepseek_v4":
+        config = _deepseek_v4_config(common)
     else:
-        raise ValueError(f"arch must be 'qwen3' or 'llama', got {arch!r}")
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Norm weights start at 1 in HF; perturb them so a loader that skips them fails tests.
@@ -132,9 +136,68 @@ def make_tiny_model(
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("sinks"):  # attention sinks start at 0
+                p.copy_(torch.randn_like(p))
+        if arch == "deepseek_v4":
+            _random_hash_routes(model, config)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return path
+
+
+def _deepseek_v4_config(common: dict[str, Any]) -> Any:
+    """A tiny DeepSeek-V4: MQA with sinks and a grouped output projection,
+    the three attention kinds in turn (window 8, compression rates 4 and 16),
+    hash-routed MoE in the first layers and top-k MoE after, mHC with 2 streams."""
+    from transformers import DeepseekV4Config
+
+    n = common["num_hidden_layers"]
+    d = common["hidden_size"]
+    return DeepseekV4Config(
+        vocab_size=common["vocab_size"],
+        hidden_size=d,
+        num_hidden_layers=n,
+        num_attention_heads=common["num_attention_heads"],
+        num_key_value_heads=1,
+        head_dim=2 * common["head_dim"],
+        q_lora_rank=d // 2,
+        partial_rotary_factor=0.25,
+        o_groups=2,
+        o_lora_rank=d // 4,
+        layer_types=[V4_ATTENTION[i % 3] for i in range(n)],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        sliding_window=8,
+        index_n_heads=2,
+        index_head_dim=common["head_dim"],
+        index_topk=2,
+        mlp_layer_types=["hash_moe" if i < min(2, n - 1) else "moe" for i in range(n)],
+        moe_intermediate_size=common["intermediate_size"] // 4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        hc_mult=2,
+        hc_sinkhorn_iters=3,
+        num_nextn_predict_layers=0,
+        max_position_embeddings=common["max_position_embeddings"],
+        rms_norm_eps=common["rms_norm_eps"],
+        initializer_range=common["initializer_range"],
+        tie_word_embeddings=False,
+        bos_token_id=common["bos_token_id"],
+        eos_token_id=common["eos_token_id"],
+        pad_token_id=common["pad_token_id"],
+    )
+
+
+def _random_hash_routes(model: Any, config: Any) -> None:
+    """``tid2eid`` starts all zero (every token to expert 0, twice): give each
+    token its own ``num_experts_per_tok`` distinct experts."""
+    import torch
+
+    k, experts = config.num_experts_per_tok, config.n_routed_experts
+    for name, buf in model.named_buffers():
+        if name.endswith("tid2eid"):
+            routes = torch.stack([torch.randperm(experts)[:k] for _ in range(buf.shape[0])])
+            buf.copy_(routes.to(buf.dtype))
 
 
 def make_tiny_dspark(
