@@ -54,6 +54,28 @@ def hf_greedy(name: str, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def greedy_with_logprobs(eng, ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """An engine's greedy continuation of ``ids`` and the logprob of every
+    token after the first (the prompt's, then the output's)."""
+    out = eng.generate(
+        input_ids=[ids],
+        sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens},
+        return_logprob=True,
+        logprob_start_len=0,
+    )[0]
+    meta = out["meta_info"]
+    entries = meta["input_token_logprobs"][1:] + meta["output_token_logprobs"]
+    return out["output_ids"], [x[0] for x in entries]
+
+
+@torch.no_grad()
+def hf_sequence_logprobs(model, ids: list[int]) -> tuple[list[float], torch.Tensor]:
+    """A transformers model's logprob of every token of ``ids`` after the first,
+    and the log-softmax rows ``[len(ids), V]``."""
+    logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return [float(logp[i - 1, ids[i]]) for i in range(1, len(ids))], logp
+
+
 def random_prompts(n: int, lengths: list[int], vocab: int = 500, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [

@@ -79,6 +79,9 @@ class ModelConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # FP8 block-scaled weights (``quantization_config`` quant_method "fp8"):
+    # the (rows, cols) block each ``weight_scale_inv`` entry scales; None: none.
+    fp8_block: tuple[int, int] | None = None
 
     @classmethod
     def from_path(cls, model_path: str) -> ModelConfig:
@@ -128,11 +131,30 @@ class ModelConfig:
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            fp8_block=parse_quantization(cfg, source),
         )
 
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+
+def parse_quantization(cfg: dict[str, Any], source: str) -> tuple[int, int] | None:
+    """The FP8 weight block of a block-scaled checkpoint (DeepSeek's and
+    Qwen's ``-FP8`` format: e4m3 weights, a float32 ``weight_scale_inv`` per
+    block, dequantised at load); None without quantization. Other schemes
+    stop start-up, named."""
+    q = cfg.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    block = q.get("weight_block_size")
+    if method != "fp8" or q.get("fmt", "e4m3") != "e4m3" or not block or len(block) != 2:
+        raise ValueError(
+            f"{source}: quantization_config {json.dumps(q, sort_keys=True)} is not supported; "
+            "supported: quant_method 'fp8' with fmt 'e4m3' and a weight_block_size [rows, cols]"
+        )
+    return int(block[0]), int(block[1])
 
 
 def parse_rope(cfg: dict[str, Any]) -> RopeConfig:

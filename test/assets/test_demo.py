@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from models_zoo import greedy_with_logprobs, hf_sequence_logprobs
 from specserve import Engine
 from specserve.assets import DEMO_ROOT, demo_path
 
@@ -41,23 +42,13 @@ def test_demo_target_matches_transformers() -> None:
     )
     try:
         ids = eng.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
-        out = eng.generate(
-            input_ids=[ids],
-            sampling_params={"temperature": 0, "max_new_tokens": 8},
-            return_logprob=True,
-            logprob_start_len=0,
-        )[0]
+        output, got = greedy_with_logprobs(eng, ids, 8)
     finally:
         eng.shutdown()
     ref = AutoModelForCausalLM.from_pretrained(demo_path("target"), dtype=torch.float32).eval()
-    full = ids + out["output_ids"]
-    with torch.no_grad():
-        logp = torch.log_softmax(ref(torch.tensor([full])).logits[0].float(), dim=-1)
-    want = [float(logp[i - 1, full[i]]) for i in range(1, len(full))]
-    meta = out["meta_info"]
-    got = [x[0] for x in meta["input_token_logprobs"][1:] + meta["output_token_logprobs"]]
+    want, logp = hf_sequence_logprobs(ref, ids + output)
     assert got == pytest.approx(want, abs=2e-3)
-    assert out["output_ids"] == logp[len(ids) - 1 :].argmax(-1).tolist()[: len(out["output_ids"])]
+    assert output == logp[len(ids) - 1 :].argmax(-1).tolist()[: len(output)]
 
 
 @pytest.mark.parametrize("alg", ["DSPARK", "DFLASH"])

@@ -17,6 +17,8 @@ from specserve.models.registry import resolve_model_class
 
 # Checkpoint entries that carry no weights of ours.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+SCALE_SUFFIX = "_scale_inv"  # "<weight key>_scale_inv": an FP8 weight's block scales
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def checkpoint_files(model_path: str) -> list[str]:
@@ -75,7 +77,7 @@ def load_weights(model: DecoderForCausalLM, files: list[str]) -> None:
     """Loads a target checkpoint (``lm_head`` skipped when tied)."""
     skip = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     what = f"{model.config.architecture} with {model.config.num_hidden_layers} layers"
-    load_state(model, files, what, skip)
+    load_state(model, files, what, skip, model.config.fp8_block)
 
 
 def checkpoint_targets(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -96,14 +98,62 @@ def checkpoint_targets(model: nn.Module) -> dict[str, torch.Tensor]:
     return expected
 
 
-def load_state(model: nn.Module, files: list[str], what: str, skip: set[str] = frozenset()) -> None:
+def dequantize_fp8(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """``weight [N, K]`` float8_e4m3fn times its block's ``scale_inv
+    [ceil(N / bn), ceil(K / bk)]``, in ``dtype``."""
+    n, k = weight.shape
+    bn, bk = block
+    scale = scale_inv.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    return (weight.float() * scale).to(dtype)
+
+
+def _scales(files: list[str]) -> dict[str, torch.Tensor]:
+    """Every ``*_scale_inv`` tensor of the checkpoint, by the weight it scales."""
+    out = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if key.endswith(SCALE_SUFFIX):
+                    out[key[: -len(SCALE_SUFFIX)]] = f.get_tensor(key)
+    return out
+
+
+def _weight_value(
+    path: str, key: str, tensor: torch.Tensor, scales: dict, block: tuple[int, int] | None, dest
+) -> torch.Tensor:
+    """What ``key`` loads as: the tensor, or an FP8 weight dequantised."""
+    if tensor.is_floating_point() and tensor.dtype not in FP8_DTYPES:
+        return tensor
+    if tensor.dtype == torch.float8_e4m3fn and block is not None and key in scales:
+        return dequantize_fp8(tensor, scales[key], block, dest.dtype)
+    why = (
+        "an FP8 weight without its weight_scale_inv or a block-scaled quantization_config"
+        if tensor.dtype == torch.float8_e4m3fn
+        else "a format this loader does not read"
+    )
+    raise ValueError(f"{path}: tensor {key!r} is {tensor.dtype}: {why}")
+
+
+def load_state(
+    model: nn.Module,
+    files: list[str],
+    what: str,
+    skip: set[str] = frozenset(),
+    fp8_block: tuple[int, int] | None = None,
+) -> None:
     """Fills every parameter of ``model`` from ``files``; keys in ``skip`` are
-    neither expected nor loaded. Errors name the file and the key."""
+    neither expected nor loaded; FP8 block-scaled weights (``fp8_block``) are
+    dequantised into the parameter's dtype. Errors name the file and the key."""
     expected = {k: v for k, v in checkpoint_targets(model).items() if k not in skip}
+    scales = _scales(files) if fp8_block is not None else {}
     loaded: set[str] = set()
     for path, key, tensor in iter_checkpoint(files):
         if key.endswith(_IGNORED_SUFFIXES) or key in skip:
             continue
+        if fp8_block is not None and key.endswith(SCALE_SUFFIX):
+            continue  # read with its weight
         if key not in expected:
             raise ValueError(
                 f"{path}: unexpected tensor {key!r} for {what} (does config.json match the checkpoint?)"
@@ -114,7 +164,7 @@ def load_state(model: nn.Module, files: list[str], what: str, skip: set[str] = f
                 f"{path}: tensor {key!r} has shape {tuple(tensor.shape)}, "
                 f"config.json implies {tuple(dest.shape)}"
             )
-        dest.copy_(tensor)
+        dest.copy_(_weight_value(path, key, tensor, scales, fp8_block, dest))
         loaded.add(key)
     missing = sorted(set(expected) - loaded)
     if missing:
