@@ -1,4 +1,5 @@
-"""How data leaves the device on the hot path: in one copy per fetch.
+"""How data crosses between host and device on the hot path: out in one copy
+per fetch, in by ``upload`` (asynchronous host lists, e.g. indices).
 
 A device-to-host read blocks until the device has caught up, and each costs
 a round trip; a step that reads its drafts, tokens and logprobs one tensor
@@ -15,6 +16,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+
+def upload(values, device: torch.device | str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A host list (ids, rows, slots) as a tensor on ``device``, copied without
+    waiting for it."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 class HostStaging:

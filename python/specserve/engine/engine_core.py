@@ -7,9 +7,8 @@ and ``step``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -346,7 +345,7 @@ class EngineCore:
             finish_reason=req.finish_reason,
             prompt_tokens=req.prompt_len,
             completion_tokens=len(req.output_ids),
-            spec=dataclasses.replace(req.spec) if self.spec is not None else None,
+            spec=replace(req.spec) if self.spec is not None else None,
         )
         self.stats.generated_tokens += len(out.token_ids)
         cur.tokens = len(req.output_ids)

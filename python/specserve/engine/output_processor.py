@@ -18,6 +18,7 @@ import torch
 
 from specserve.core import FinishReason, Req, ReqStep
 from specserve.grammar.bitmask import advance_committed
+from specserve.host import upload
 from specserve.kernels.logprobs import RowLogprobs
 from specserve.sampling.logprobs import (
     RowQuery,
@@ -162,7 +163,7 @@ class OutputProcessor:
         device_tokens = None
         if source:
             candidates = torch.cat([g.tokens for g in pending])
-            index = torch.tensor(source, dtype=torch.int64).to(candidates.device, non_blocking=True)
+            index = upload(source, candidates.device)
             device_tokens = candidates[index]
         out = score_rows_device(scoring_logits, queries, device_tokens, self.kernel_backend)
         return PendingScores(queries, counts, source, out)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.cache.kv_pool import KVPool
+from specserve.host import upload
 from specserve.kernels.dispatch import HAS_TRITON
 from specserve.kernels.paged_attention import PagedLayout, paged_attention_triton, plan_layout
 
@@ -118,7 +119,7 @@ class TorchAttentionBackend(AttentionBackend):
                 pages = None
                 if kv_len > q_len:
                     table = page_tensor(meta.page_tables[i], kv_len, ps)
-                    pages = torch.tensor(table, dtype=torch.int64).to(device, non_blocking=True)
+                    pages = upload(table, device)
                 multi.append((row, q_len, kv_len, pages))
             row += q_len
         single_rows = single_pages = single_bias = None
@@ -127,7 +128,7 @@ class TorchAttentionBackend(AttentionBackend):
             tables = [page_tensor(meta.page_tables[i], n, ps) for i, n in zip(single_ids, lens)]
             width = max(len(t) for t in tables)
             padded = [t + [0] * (width - len(t)) for t in tables]
-            single_pages = torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
+            single_pages = upload(padded, device)
             past = torch.arange(width * ps)[None, :] >= torch.tensor(lens)[:, None]  # [Bs, P * ps]
             single_bias = padding_bias(past, self.kv_pool.dtype, device)[:, None, None, :]
             if len(single_ids) != len(meta.q_lens):

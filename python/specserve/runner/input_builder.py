@@ -8,6 +8,7 @@ import torch
 
 from specserve.cache.block_pool import page_slots
 from specserve.core import ScheduledBatch
+from specserve.host import upload
 from specserve.layers.attention import AttentionMetadata
 
 
@@ -33,15 +34,12 @@ def build_inputs(batch: ScheduledBatch, page_size: int, device: torch.device) ->
         slots.extend(page_slots(e.page_table, e.prefix_len, e.prefix_len + n, page_size))
         logit_index.extend(base + r for r in e.logit_rows)
 
-    def as_tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
-
     meta = AttentionMetadata(
-        positions=as_tensor(positions),
-        slot_mapping=as_tensor(slots),
+        positions=upload(positions, device),
+        slot_mapping=upload(slots, device),
         q_lens=[len(e.token_ids) for e in batch.entries],
         kv_lens=[e.prefix_len + len(e.token_ids) for e in batch.entries],
         page_tables=[e.page_table for e in batch.entries],
         page_size=page_size,
     )
-    return ForwardInputs(as_tensor(ids), as_tensor(logit_index), meta)
+    return ForwardInputs(upload(ids, device), upload(logit_index, device), meta)

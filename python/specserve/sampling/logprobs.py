@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.host import upload
 from specserve.kernels.logprobs import RowLogprobs, row_logprobs
 
 # What a masked / impossible token reports instead of -inf (JSON has no -inf).
@@ -54,13 +55,13 @@ def score_rows_device(
         return None
     device = logits.device
     # The kernel reads just these rows of the (possibly much larger) logits.
-    rows = torch.tensor([q.row for q in queries], dtype=torch.int64).to(device, non_blocking=True)
+    rows = upload([q.row for q in queries], device)
     known = [0 if q.token_id is None else q.token_id for q in queries]
-    token_ids = torch.tensor(known, dtype=torch.int64).to(device, non_blocking=True)
+    token_ids = upload(known, device)
     unknown = [i for i, q in enumerate(queries) if q.token_id is None]
     if unknown:
         assert device_tokens is not None and device_tokens.numel() == len(unknown)
-        slots = torch.tensor(unknown, dtype=torch.int64).to(device, non_blocking=True)
+        slots = upload(unknown, device)
         token_ids[slots] = device_tokens.to(torch.int64)
     temps = None
     if any(q.temperature != 1.0 for q in queries):
@@ -70,7 +71,7 @@ def score_rows_device(
     gather = None
     if width:
         padded = [list(q.ids or ()) + [-1] * (width - len(q.ids or ())) for q in queries]
-        gather = torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
+        gather = upload(padded, device)
     out = row_logprobs(logits, token_ids, temps, top_k, gather, backend=backend, row_ids=rows)
     return RowLogprobs(
         out.token_logprobs.clamp(min=MIN_LOGPROB),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.host import upload
 from specserve.sampling.params import SamplingParams
 
 
@@ -67,7 +68,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[RowControls]) -> torch.T
     ]
     if bias:
         ri, ti, values = zip(*bias)
-        index = (_long(ri, device), _long(ti, device))
+        index = (upload(ri, device), upload(ti, device))
         logits.index_put_(
             index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True
         )
@@ -77,12 +78,8 @@ def process_logits(logits: torch.Tensor, rows: Sequence[RowControls]) -> torch.T
     held = [(i, t) for i, r in enumerate(rows) if r.holds_stops for t in r.stop_ids if t < vocab]
     if held:
         ri, ti = zip(*held)
-        logits[_long(ri, device), _long(ti, device)] = float("-inf")
+        logits[upload(ri, device), upload(ti, device)] = float("-inf")
     return logits
-
-
-def _long(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
@@ -104,7 +101,7 @@ def _penalties(x: torch.Tensor, rows: list[RowControls]) -> torch.Tensor:
     extra = [(k, t) for k, r in enumerate(rows) for t in r.extra_tokens]
     if extra:
         ki, ti = zip(*extra)
-        index = (_long(ki, device), _long(ti, device))
+        index = (upload(ki, device), upload(ti, device))
         counts.index_put_(index, torch.ones(len(extra), device=device), accumulate=True)
         seen[index] = True
 

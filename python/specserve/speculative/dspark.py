@@ -28,7 +28,7 @@ from specserve.cache.block_pool import BlockPool, page_slots
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig
 from specserve.core import Req
-from specserve.host import HostStaging
+from specserve.host import HostStaging, upload
 from specserve.layers.attention import AttentionMetadata, make_attention_backend
 from specserve.models.loader import checkpoint_files, load_state, materialize
 from specserve.runner.model_runner import ModelRunner
@@ -214,8 +214,8 @@ class DSparkProposer(Proposer):
             kv_lens.append(end)
         device = self.model.fc.weight.device
         return AttentionMetadata(
-            positions=torch.tensor(positions).to(device, non_blocking=True),
-            slot_mapping=torch.tensor(slots).to(device, non_blocking=True),
+            positions=upload(positions, device),
+            slot_mapping=upload(slots, device),
             q_lens=[g] * len(reqs),
             kv_lens=kv_lens,
             page_tables=[r.draft_state.pages for r in reqs],

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.host import upload
 from specserve.kernels.chain_verify import greedy_verify, rejection_verify
 from specserve.sampling.metadata import target_probs
 from specserve.sampling.params import SamplingParams
@@ -50,13 +51,13 @@ class ChainOutcome:
         lengths = [len(c.drafts) for c in chains]
         width = max(lengths, default=0) + 1
         padded = [c.drafts + [0] * (width - len(c.drafts)) for c in chains]
-        drafts = torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
+        drafts = upload(padded, device)
         j = torch.arange(width, device=device)
         rows = torch.where(
             j[None, :] < self.accept_len[:, None], drafts, self.next_token[:, None]
         )  # [C, Lmax + 1]
         live = [c * width + k for c, n in enumerate(lengths) for k in range(n + 1)]
-        return rows.flatten()[torch.tensor(live, dtype=torch.int64).to(device, non_blocking=True)]
+        return rows.flatten()[upload(live, device)]
 
 
 def verify_chains(
@@ -71,7 +72,7 @@ def verify_chains(
     nxt = torch.zeros(len(chains), dtype=torch.int64, device=device)
 
     def place(group: list[int], out: tuple[torch.Tensor, torch.Tensor]) -> None:
-        index = torch.tensor(group, dtype=torch.int64).to(device, non_blocking=True)
+        index = upload(group, device)
         accept[index], nxt[index] = out[0].to(torch.int64), out[1].to(torch.int64)
 
     greedy = [i for i, c in enumerate(chains) if c.params.greedy]
@@ -98,8 +99,7 @@ def _layout(
     starts = [sum(n + 1 for n in lengths[:i]) for i in range(len(group))]
     width = max(max(lengths), 1)
     drafts = [c.drafts + [0] * (width - len(c.drafts)) for c in group]
-    as_long = lambda v: torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
-    return as_long(starts), as_long(drafts), as_long(lengths)
+    return upload(starts, device), upload(drafts, device), upload(lengths, device)
 
 
 def _rejection(
@@ -123,8 +123,7 @@ def _rejection(
     q = q_starts = None
     if not one_hot:
         q = torch.cat([c.q.to(probs.dtype) for c in members])  # type: ignore[union-attr]
-        q_starts = torch.tensor(
-            [sum(len(m.drafts) for m in members[:b]) for b in range(len(members))],
-            dtype=torch.int64,
-        ).to(device, non_blocking=True)
+        q_starts = upload(
+            [sum(len(m.drafts) for m in members[:b]) for b in range(len(members))], device
+        )
     return rejection_verify(probs, starts, drafts, lengths, q, q_starts, uniforms, backend=backend)
