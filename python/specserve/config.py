@@ -10,9 +10,12 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from specserve.models.deepseek_v4_config import DeepseekV4Config
 
 LOGPROBS_MODES = ("raw", "processed")
 
@@ -82,6 +85,9 @@ class ModelConfig:
     # FP8 block-scaled weights (``quantization_config`` quant_method "fp8"):
     # the (rows, cols) block each ``weight_scale_inv`` entry scales; None: none.
     fp8_block: tuple[int, int] | None = None
+    # DeepSeek-V4's own fields (attention kinds, compression, mHC, MoE); None
+    # for the dense decoders.
+    deepseek_v4: DeepseekV4Config | None = None
 
     @classmethod
     def from_path(cls, model_path: str) -> ModelConfig:
@@ -101,13 +107,22 @@ class ModelConfig:
                 raise ValueError(f"{source}: missing required field {key!r}")
             return cfg[key]
 
-        if cfg.get("use_sliding_window") or any(
-            t != "full_attention" for t in cfg.get("layer_types") or []
-        ):
-            raise ValueError(f"{source}: sliding-window attention is not supported")
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
         head_dim = cfg.get("head_dim") or hidden // heads
+        v4 = None
+        if arch == "DeepseekV4ForCausalLM" or cfg.get("model_type") == "deepseek_v4":
+            from specserve.models.deepseek_v4_config import parse_deepseek_v4
+
+            need("n_routed_experts")
+            need("num_experts_per_tok")
+            need("num_hidden_layers")
+            v4 = parse_deepseek_v4(cfg, int(head_dim), source)
+            cfg = {**cfg, "intermediate_size": need("moe_intermediate_size")}
+        elif cfg.get("use_sliding_window") or any(
+            t != "full_attention" for t in cfg.get("layer_types") or []
+        ):
+            raise ValueError(f"{source}: sliding-window attention is not supported")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -121,7 +136,7 @@ class ModelConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            rope=parse_rope(cfg),
+            rope=parse_rope(cfg) if v4 is None else v4.main_rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -132,6 +147,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             fp8_block=parse_quantization(cfg, source),
+            deepseek_v4=v4,
         )
 
     @property

@@ -85,8 +85,11 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""  # visible output text (stop strings cut)
 
-    # KV state, managed by the scheduler.
+    # KV state, managed by the scheduler. Pages of group 0 (one slot per
+    # position; -1 where a sliding window has left a page behind) and of
+    # each further cache group (DeepSeek-V4's compressed entries).
     page_table: list[int] = field(default_factory=list)
+    entry_tables: list[list[int]] = field(default_factory=list)
     num_computed: int = 0  # tokens of all_ids whose K/V are in the cache
     num_preemptions: int = 0
 
@@ -197,6 +200,7 @@ class BatchEntry:
     prefix_len: int  # tokens of the request already in the KV cache
     page_table: list[int]  # pages covering prefix_len + len(token_ids)
     logit_rows: list[int]  # indices into token_ids whose logits are returned
+    entry_tables: list[list[int]] = field(default_factory=list)  # further cache groups
 
 
 @dataclass

@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specserve.config import ModelConfig
 
 
 def page_slots(page_table: Sequence[int], start: int, end: int, page_size: int) -> list[int]:
     """KV pool slots of positions ``start .. end - 1`` of a request with
     ``page_table``: position p is row ``p % page_size`` of page ``p // page_size``."""
     return [page_table[p // page_size] * page_size + p % page_size for p in range(start, end)]
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """Positions per slot (``rate``) and, for group 0, the positions behind a
+    step's first new token that must stay (``retain``; None: all)."""
+
+    rate: int
+    retain: int | None = None
+
+
+def cache_groups(mc: ModelConfig) -> tuple[CacheGroup, ...]:
+    """The cache groups of a model: one slot per position (group 0) and,
+    for DeepSeek-V4, one group per compression rate (one slot per entry)."""
+    v4 = mc.deepseek_v4
+    if v4 is None:
+        return (CacheGroup(1),)
+    return (CacheGroup(1, v4.retain),) + tuple(CacheGroup(v4.rate(k)) for k in v4.compressed_kinds)
 
 
 class BlockPool:

@@ -118,12 +118,19 @@ class EngineCore:
         self.config = config
         self.runner = runner
         self.block_pool = BlockPool(runner.num_pages, runner.page_size)
+        groups = runner.cache_groups
+        self.entry_pools = [
+            (BlockPool(n, runner.page_size), g.rate)
+            for g, n in zip(groups[1:], runner.group_pages[1:])
+        ]
         self.scheduler = Scheduler(
             config.scheduler,
             self.block_pool,
             lookahead=proposer.max_drafts if proposer else 0,
             on_release=proposer.release if proposer else None,
             capture_layer_ids=proposer.capture_layer_ids if proposer else (),
+            entry_pools=self.entry_pools,
+            retain=groups[0].retain,
         )
         self.spec = (
             SpecDecoder(proposer, self.scheduler, config.kernel_backend) if proposer else None
@@ -176,7 +183,8 @@ class EngineCore:
 
     @property
     def capacity_tokens(self) -> int:
-        return self.block_pool.total_pages() * self.block_pool.page_size
+        """The longest a request may grow."""
+        return self.runner.capacity_tokens
 
     # ---- the step -------------------------------------------------------
 

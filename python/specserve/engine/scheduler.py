@@ -7,12 +7,18 @@ batch. Waiting requests join while slots, prefill budget and KV pages last.
 When a running request needs a page and none is free, the newest running
 request is preempted: its pages are freed and it returns to the front of the
 queue with its generated tokens, to be recomputed later. No request is lost.
+
+A model may keep further cache groups (``entry_pools``: DeepSeek-V4's
+compressed entries, one slot per ``rate`` positions), allocated, trimmed and
+freed together with the main pages; and with ``retain`` set, only the last
+``retain`` positions before a step's first new token are ever read again, so
+the main pages behind them go back to the pool (a sliding window).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from specserve.cache.block_pool import BlockPool
 from specserve.config import SchedulerConfig
@@ -27,9 +33,13 @@ class Scheduler:
         lookahead: int = 0,
         on_release: Callable[[Req], None] | None = None,
         capture_layer_ids: tuple[int, ...] = (),
+        entry_pools: Sequence[tuple[BlockPool, int]] = (),
+        retain: int | None = None,
     ) -> None:
         self.config = config
         self.block_pool = block_pool
+        self.entry_pools = tuple(entry_pools)  # (pool, positions per slot)
+        self.retain = retain
         # Speculation (lookahead > 0): a decoding request's step is a verify
         # chain, its drafts scheduled as tokens to compute after the anchor.
         self.lookahead = lookahead
@@ -80,6 +90,7 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not ReqStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            self._slide(req)
             pending = req.seq_len - req.num_computed
             n = pending if pending == 1 else min(pending, budget)
             if n == 0:
@@ -122,14 +133,33 @@ class Scheduler:
         return True
 
     def _allocate(self, req: Req, num_tokens: int) -> bool:
-        need = self.block_pool.pages_for(num_tokens) - len(req.page_table)
-        if need <= 0:
-            return True
-        pages = self.block_pool.allocate(need)
-        if pages is None:
+        """Pages for the first ``num_tokens`` positions in every group, or
+        nothing (and False) when one group lacks them."""
+        if len(req.entry_tables) < len(self.entry_pools):
+            req.entry_tables = [[] for _ in self.entry_pools]
+        wants = [(self.block_pool, self.block_pool.pages_for(num_tokens), req.page_table)]
+        for (pool, rate), table in zip(self.entry_pools, req.entry_tables):
+            wants.append((pool, pool.pages_for(num_tokens // rate), table))
+        if any(n - len(table) > pool.free_pages() for pool, n, table in wants):
             return False
-        req.page_table.extend(pages)
+        for pool, n, table in wants:
+            if n > len(table):
+                table.extend(pool.allocate(n - len(table)))
         return True
+
+    def _slide(self, req: Req) -> None:
+        """Returns the main pages wholly behind the last ``retain`` positions
+        before the next one to compute (marked -1: positions keep their pages)."""
+        if self.retain is None:
+            return
+        end = max(0, req.num_computed - self.retain) // self.block_pool.page_size
+        i = min(end, len(req.page_table)) - 1
+        freed = []
+        while i >= 0 and req.page_table[i] >= 0:
+            freed.append(req.page_table[i])
+            req.page_table[i] = -1
+            i -= 1
+        self.block_pool.release(freed)
 
     def _preempt(self, req: Req) -> None:
         self.running.remove(req)
@@ -140,8 +170,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Req) -> None:
-        self.block_pool.release(req.page_table)
+        self.block_pool.release([p for p in req.page_table if p >= 0])
         req.page_table = []
+        for (pool, _), table in zip(self.entry_pools, req.entry_tables):
+            pool.release(table)
+        req.entry_tables = []
         req.num_computed = 0
         req.set_drafts([])
         if self.on_release is not None:
@@ -154,8 +187,13 @@ class Scheduler:
         req.num_computed = num_tokens
         keep = self.block_pool.pages_for(num_tokens)
         if keep < len(req.page_table):
-            self.block_pool.release(req.page_table[keep:])
+            self.block_pool.release([p for p in req.page_table[keep:] if p >= 0])
             req.page_table = req.page_table[:keep]
+        for i, (pool, rate) in enumerate(self.entry_pools):
+            # The entries of windows the kept positions no longer close go too.
+            keep = pool.pages_for(num_tokens // rate)
+            pool.release(req.entry_tables[i][keep:])
+            req.entry_tables[i] = req.entry_tables[i][:keep]
 
     def _build_batch(self, planned: list[tuple[Req, int]]) -> ScheduledBatch:
         entries: list[BatchEntry] = []
@@ -178,10 +216,12 @@ class Scheduler:
                 drafts, q = req.spec_token_ids, req.spec_draft_q
                 req.set_drafts([])
                 chain = list(range(1 + len(drafts)))
-                entries.append(BatchEntry(tokens + drafts, start, req.page_table, chain))
+                entries.append(
+                    BatchEntry(tokens + drafts, start, req.page_table, chain, req.entry_tables)
+                )
                 steps.append(ReqStep(req, q_lo, 0, True, drafts, q, verify=True, decoding=True))
                 continue
-            entries.append(BatchEntry(tokens, start, req.page_table, rows))
+            entries.append(BatchEntry(tokens, start, req.page_table, rows, req.entry_tables))
             steps.append(ReqStep(req, q_lo, num_in, sample, decoding=decoding))
         return ScheduledBatch(entries, steps, self.capture_layer_ids)
 

@@ -33,6 +33,8 @@ class AttentionMetadata:
     page_tables: list[list[int]]  # pages of each request, covering kv_lens
     page_size: int
     causal: bool = True  # False: every query sees all kv_len keys of its request
+    # Pages of each request's further cache groups (compressed entries), by group.
+    entry_tables: list[list[list[int]]] = field(default_factory=list)
     # Whatever the backend precomputes once per forward for all layers.
     plan: object = field(default=None)
 

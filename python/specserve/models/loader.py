@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 
@@ -14,6 +15,8 @@ from specserve.config import ModelConfig
 from specserve.layers.linear import MergedLinear
 from specserve.models.decoder import DecoderForCausalLM
 from specserve.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
 
 # Checkpoint entries that carry no weights of ours.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -60,7 +63,10 @@ def load_model(
     with torch.device("meta"):
         model = cls(cfg, max_position)
     model = materialize(model, dtype, device)
-    if cfg.tie_word_embeddings:
+    for name, param in model.named_parameters():
+        if any(p in name for p in getattr(model, "keep_fp32", ())):
+            param.data = param.data.float()
+    if cfg.tie_word_embeddings and hasattr(model, "lm_head"):
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, checkpoint_files(model_path))
     model.post_load()
@@ -82,7 +88,10 @@ def load_weights(model: DecoderForCausalLM, files: list[str]) -> None:
 
 def checkpoint_targets(model: nn.Module) -> dict[str, torch.Tensor]:
     """Checkpoint key -> the tensor it fills. Fused projections
-    (``model.packed_modules``) take their checkpoint parts shard by shard."""
+    (``model.packed_modules``) take their checkpoint parts shard by shard; a
+    model with its own layout says so itself (``model.checkpoint_targets``)."""
+    if hasattr(model, "checkpoint_targets"):
+        return model.checkpoint_targets()
     packed = getattr(model, "packed_modules", {})
     modules = dict(model.named_modules())
     expected: dict[str, torch.Tensor] = {}
@@ -126,6 +135,8 @@ def _weight_value(
     """What ``key`` loads as: the tensor, or an FP8 weight dequantised."""
     if tensor.is_floating_point() and tensor.dtype not in FP8_DTYPES:
         return tensor
+    if not tensor.is_floating_point() and not dest.is_floating_point():
+        return tensor  # an integer table (hash routing's token -> experts)
     if tensor.dtype == torch.float8_e4m3fn and block is not None and key in scales:
         return dequantize_fp8(tensor, scales[key], block, dest.dtype)
     why = (
@@ -148,12 +159,22 @@ def load_state(
     dequantised into the parameter's dtype. Errors name the file and the key."""
     expected = {k: v for k, v in checkpoint_targets(model).items() if k not in skip}
     scales = _scales(files) if fp8_block is not None else {}
+    rename = getattr(model, "checkpoint_key", None)
     loaded: set[str] = set()
+    left_out = 0
     for path, key, tensor in iter_checkpoint(files):
         if key.endswith(_IGNORED_SUFFIXES) or key in skip:
             continue
         if fp8_block is not None and key.endswith(SCALE_SUFFIX):
             continue  # read with its weight
+        if rename is not None:
+            ours = rename(key)
+            if ours is None:
+                left_out += 1
+                continue
+            if key in scales:
+                scales[ours] = scales[key]
+            key = ours
         if key not in expected:
             raise ValueError(
                 f"{path}: unexpected tensor {key!r} for {what} (does config.json match the checkpoint?)"
@@ -166,6 +187,8 @@ def load_state(
             )
         dest.copy_(_weight_value(path, key, tensor, scales, fp8_block, dest))
         loaded.add(key)
+    if left_out:
+        logger.info("%s: %d checkpoint tensors (MTP / drafter layers) left out", what, left_out)
     missing = sorted(set(expected) - loaded)
     if missing:
         shown = ", ".join(repr(k) for k in missing[:5])

@@ -1,16 +1,19 @@
 from __future__ import annotations
 
-from specserve.models.decoder import DecoderForCausalLM
+from torch import nn
+
+from specserve.models.deepseek_v4 import DeepseekV4ForCausalLM
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.qwen3 import Qwen3ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
 }
 
 
-def resolve_model_class(architecture: str) -> type[DecoderForCausalLM]:
+def resolve_model_class(architecture: str) -> type[nn.Module]:
     if architecture not in MODEL_REGISTRY:
         raise ValueError(
             f"architectures: {architecture!r} is not supported; supported: {sorted(MODEL_REGISTRY)}"

@@ -41,5 +41,6 @@ def build_inputs(batch: ScheduledBatch, page_size: int, device: torch.device) ->
         kv_lens=[e.prefix_len + len(e.token_ids) for e in batch.entries],
         page_tables=[e.page_table for e in batch.entries],
         page_size=page_size,
+        entry_tables=[e.entry_tables for e in batch.entries],
     )
     return ForwardInputs(upload(ids, device), upload(logit_index, device), meta)

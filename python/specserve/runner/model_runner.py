@@ -9,10 +9,16 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.cache.block_pool import CacheGroup, cache_groups
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig, ModelConfig
 from specserve.core import BatchEntry, ScheduledBatch
 from specserve.layers.attention import AttentionBackend, make_attention_backend
+from specserve.layers.compressed_attention import (
+    CompressedAttentionBackend,
+    CompressedPool,
+    bytes_per_page,
+)
 from specserve.models.loader import load_model
 from specserve.runner.input_builder import build_inputs
 
@@ -52,6 +58,7 @@ class ModelRunner:
             self.model.compile_dense()  # compiles on the first forward of each shape class
         self.load_seconds = time.perf_counter() - start
         self.page_size = config.cache.page_size
+        self.cache_groups: tuple[CacheGroup, ...] = cache_groups(self.model_config)
         if allocate_kv:
             self.allocate_kv(extra_kv_bytes_per_page)
 
@@ -60,7 +67,12 @@ class ModelRunner:
         for the activations of the largest step (besides this model's own)."""
         mc = self.model_config
         reserve = reserve_bytes + activation_bytes(self.config, mc, self.context_length)
+        if mc.deepseek_v4 is not None:
+            self._allocate_compressed(extra_bytes_per_page, reserve)
+            return
         self.num_pages = self._kv_capacity_pages(extra_bytes_per_page, reserve)
+        self.group_pages = [self.num_pages]
+        self.capacity_tokens = self.num_pages * self.page_size
         self.kv_pool = KVPool(
             mc.num_hidden_layers,
             self.num_pages,
@@ -78,6 +90,17 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
+    def _kv_budget(self, reserve_bytes: int) -> float:
+        """Bytes the KV pools may take on this device."""
+        cache = self.config.cache
+        if self.device.type == "cuda":
+            # Blocks the allocator keeps cached (from loading) are free memory too.
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            return cuda_kv_budget(total, free, cache.fraction("cuda"), reserve_bytes)
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return available * cache.fraction("cpu")
+
     def _kv_capacity_pages(self, extra_bytes_per_page: int, reserve_bytes: int) -> int:
         cache = self.config.cache
         if cache.max_total_tokens is not None:
@@ -86,25 +109,49 @@ class ModelRunner:
         per_page = extra_bytes_per_page + KVPool.bytes_per_page(
             mc.num_hidden_layers, self.page_size, mc.num_key_value_heads, mc.head_dim, self.dtype
         )
-        if self.device.type == "cuda":
-            # Blocks the allocator keeps cached (from loading) are free memory too.
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = cuda_kv_budget(total, free, cache.fraction("cuda"), reserve_bytes)
-        else:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = available * cache.fraction("cpu")
-            # More than every running request at full context is never used.
-            most = self.config.scheduler.max_running_requests * self.context_length
-            budget = min(budget, -(-most // self.page_size) * per_page)
-        pages = int(budget // per_page)
-        if pages < 1:
-            raise ValueError(
-                "mem_fraction_static: no memory left for a single KV page after the weights "
-                "and the activation reserve; raise it, or lower the model size, dtype, "
-                "max_running_requests or chunked_prefill_size"
+        # More than every running request at full context is never used.
+        most = self.config.scheduler.max_running_requests * self.context_length
+        budget = min(self._kv_budget(reserve_bytes), -(-most // self.page_size) * per_page)
+        return _at_least_one(int(budget // per_page))
+
+    def _allocate_compressed(self, extra_bytes_per_page: int, reserve_bytes: int) -> None:
+        """DeepSeek-V4's pools: a bounded group 0 (every running request's
+        retained window and its largest step) and entry groups sized for as
+        many tokens as the memory left allows (or ``max_total_tokens``)."""
+        mc, ps = self.model_config, self.page_size
+        per_page = bytes_per_page(mc, ps, self.dtype)
+        per_page[0] += extra_bytes_per_page
+        sched = self.config.scheduler
+        running, groups = sched.max_running_requests, self.cache_groups
+
+        def pages(tokens: int) -> list[int]:
+            step = -(-sched.chunked_prefill_size // ps) + running * (
+                2 + verify_chain(self.config) // ps
             )
-        return pages
+            window = min(-(-tokens // ps), running * (2 + groups[0].retain // ps) + step)
+            return [window] + [-(-tokens // (g.rate * ps)) + running for g in groups[1:]]
+
+        def cost(tokens: int) -> int:
+            return sum(n * b for n, b in zip(pages(tokens), per_page))
+
+        tokens = self.config.cache.max_total_tokens
+        if tokens is None:
+            budget = self._kv_budget(reserve_bytes)
+            lo, hi = ps, max(ps, running * self.context_length)
+            if cost(lo) > budget:
+                _at_least_one(0)
+            while lo < hi:  # the most tokens whose pools fit
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid - 1)
+            tokens = lo
+        self.group_pages = pages(tokens)
+        self.num_pages = self.group_pages[0]
+        # One request may grow until an entry group is full.
+        self.capacity_tokens = min(
+            [n * g.rate * ps for n, g in zip(self.group_pages[1:], groups[1:])] or [tokens]
+        )
+        self.kv_pool = CompressedPool(mc, self.group_pages, ps, self.dtype, self.device)
+        self.attn_backend = CompressedAttentionBackend(mc, self.kv_pool, groups)
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> ForwardOutput:
@@ -132,10 +179,31 @@ class ModelRunner:
             count = -(-(prefix + n) // ps)
             pages = [(page + k) % self.num_pages for k in range(count)]
             page += count
-            entries.append(BatchEntry([0] * n, prefix, pages, list(range(n))))
+            tables = [
+                [k % g_pages for k in range(-(-((prefix + n) // g.rate) // ps))]
+                for g, g_pages in zip(self.cache_groups[1:], self.group_pages[1:])
+            ]
+            entries.append(BatchEntry([0] * n, prefix, pages, list(range(n)), tables))
         self.forward(ScheduledBatch(entries, []))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _at_least_one(pages: int) -> int:
+    if pages < 1:
+        raise ValueError(
+            "mem_fraction_static: no memory left for a single KV page after the weights "
+            "and the activation reserve; raise it, or lower the model size, dtype, "
+            "max_running_requests or chunked_prefill_size"
+        )
+    return pages
+
+
+def verify_chain(config: EngineConfig) -> int:
+    """Tokens of one verify chain: the anchor and its drafts (an unknown
+    block size: 16); 1 without speculation."""
+    spec = config.spec
+    return 1 if not spec.enabled else spec.num_draft_tokens or (spec.block_size or 16) + 1
 
 
 def cuda_kv_budget(total: int, free: int, fraction: float, reserve: int) -> float:
@@ -154,9 +222,8 @@ def activation_bytes(config: EngineConfig, mc: ModelConfig, context_length: int)
     riding along, or every request verifying a whole chain), their hidden
     states and MLP, and their float32 logits with the copies the sampler,
     the verifier and the scorer make."""
-    sched, spec = config.scheduler, config.spec
-    # A verify chain: the anchor and its drafts (an unknown block size: 16).
-    chain = 1 if not spec.enabled else spec.num_draft_tokens or (spec.block_size or 16) + 1
+    sched = config.scheduler
+    chain = verify_chain(config)
     tokens = max(
         sched.chunked_prefill_size + sched.max_running_requests,
         sched.max_running_requests * chain,

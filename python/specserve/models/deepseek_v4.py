@@ -1,0 +1,281 @@
+"""DeepSeek-V4 on the paged engine.
+
+Per layer: MQA with one shared K=V head, per-head sinks, a low-rank query,
+partial interleaved RoPE (rotated back on the output) and a grouped low-rank
+output projection; attention over a sliding window plus, by layer kind,
+compressed entries (CSA: an indexer's top-k of 4-position entries; HCA: all
+128-position entries; see ``layers/compressed_attention.py``). mHC residual
+streams around attention and the MoE of every layer.
+
+Parameter names are DeepSeek's checkpoint names (``attn.wq_a``,
+``ffn.experts.0.w1``, ``hc_attn_fn``, ...); ``checkpoint_key`` also reads the
+names transformers writes (``model.`` prefix, ``embed_tokens``, ``lm_head``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.config import ModelConfig, RopeConfig
+from specserve.layers.attention import AttentionMetadata
+from specserve.layers.compressed_attention import CompressedAttentionBackend
+from specserve.layers.hyper_connection import (
+    HyperConnection,
+    HyperHead,
+    expand,
+    unweighted_rms_norm,
+)
+from specserve.layers.linear import LogitsHead
+from specserve.layers.moe import MoE
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rotary import rope_inv_freq
+from specserve.models.deepseek_v4_config import CSA, SLIDING
+
+logger = logging.getLogger(__name__)
+
+
+class InterleavedRope:
+    """RoPE on the trailing ``rot_dim`` channels, rotating channel pairs
+    ``(2i, 2i + 1)``; ``inverse`` rotates back."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_position: int) -> None:
+        inv_freq, scale = rope_inv_freq(rope, head_dim, max_position)
+        self.rot_dim = 2 * inv_freq.numel()
+        freqs = (
+            torch.arange(max_position, dtype=torch.float32, device="cpu")[:, None]
+            * inv_freq[None, :]
+        )
+        self._cos, self._sin = freqs.cos() * scale, freqs.sin() * scale  # [P, rot_dim // 2]
+
+    def __call__(
+        self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False
+    ) -> torch.Tensor:
+        """``x [T, heads, D]`` at ``positions [T]``."""
+        if self._cos.device != positions.device:
+            self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
+        cos = self._cos[positions][:, None, :]  # [T, 1, rot_dim // 2]
+        sin = self._sin[positions][:, None, :]
+        if inverse:
+            sin = -sin
+        nope, rot = x[..., : -self.rot_dim], x[..., -self.rot_dim :].float()
+        even, odd = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+        return torch.cat([nope, rotated.flatten(-2).to(x.dtype)], dim=-1)
+
+
+class Compressor(nn.Module):
+    """Per-position K/V and gate projections (``wkv``, ``wgate``), a gate bias
+    per window offset (``ape``) and the entries' norm."""
+
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.wkv = nn.Linear(hidden, width, bias=False)
+        self.wgate = nn.Linear(hidden, width, bias=False)
+        self.ape = nn.Parameter(torch.empty(rate, width))
+        self.norm = RMSNorm(dim, eps)
+        self.rate = rate
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        layer: int,
+        rope: InterleavedRope,
+        backend: CompressedAttentionBackend,
+        meta: AttentionMetadata,
+        index: bool = False,
+    ) -> None:
+        xf = x.float()
+        kv = F.linear(xf, self.wkv.weight.float())
+        gate = F.linear(xf, self.wgate.weight.float())
+        closed = backend.emit(layer, kv, gate, self.ape, self.rate, meta, index)
+        if closed is not None:
+            entries, positions = closed
+            entries = self.norm.forward(entries)  # [E, d] float32
+            entries = rope(entries[:, None, :], positions)[:, 0]
+            backend.store_entries(layer, entries, self.rate, meta, index)
+
+
+class Indexer(nn.Module):
+    """CSA's Lightning indexer: its own compressor for keys, queries from the
+    low-rank query, per-head weights from the layer input."""
+
+    def __init__(self, cfg: ModelConfig, rate: int) -> None:
+        super().__init__()
+        v4 = cfg.deepseek_v4
+        self.heads, self.dim, self.top_k = v4.index_n_heads, v4.index_head_dim, v4.index_topk
+        self.wq_b = nn.Linear(v4.q_lora_rank, self.heads * self.dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.heads, bias=False)
+        self.compressor = Compressor(cfg.hidden_size, self.dim, rate, True, cfg.rms_norm_eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str, rope: InterleavedRope) -> None:
+        super().__init__()
+        v4 = cfg.deepseek_v4
+        h, d = cfg.num_attention_heads, cfg.head_dim
+        self.heads, self.head_dim, self.kind, self.rope = h, d, kind, rope
+        self.groups, self.eps = v4.o_groups, cfg.rms_norm_eps
+        self.wq_a = nn.Linear(cfg.hidden_size, v4.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(v4.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(v4.q_lora_rank, h * d, bias=False)
+        self.wkv = nn.Linear(cfg.hidden_size, d, bias=False)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.wo_a = nn.Linear(h * d // self.groups, self.groups * v4.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(self.groups * v4.o_lora_rank, cfg.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.empty(h))
+        self.rate = v4.rate(kind) if kind != SLIDING else 0
+        self.compressor = (
+            Compressor(cfg.hidden_size, d, self.rate, kind == CSA, cfg.rms_norm_eps)
+            if kind != SLIDING
+            else None
+        )
+        self.indexer = Indexer(cfg, self.rate) if kind == CSA else None
+
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,  # [T, d_model], normed
+        meta: AttentionMetadata,
+        backend: CompressedAttentionBackend,
+        compress_rope: InterleavedRope,
+    ) -> torch.Tensor:
+        t, pos = x.shape[0], meta.positions
+        q_res = self.q_norm.forward(F.linear(x, self.wq_a.weight))  # [T, q_lora]
+        q = F.linear(q_res, self.wq_b.weight).view(t, self.heads, self.head_dim)
+        q = self.rope(unweighted_rms_norm(q, self.eps), pos)
+        kv = self.norm.forward(F.linear(x, self.wkv.weight))
+        kv = self.rope(kv[:, None, :], pos)[:, 0]  # [T, D]
+        backend.store_window(layer, kv, meta)
+        entries = None
+        if self.compressor is not None:
+            self.compressor(x, layer, compress_rope, backend, meta)
+            visible = meta.plan.visible[self.rate]
+            entries = (visible.slots, visible.valid)
+            if self.indexer is not None:
+                ix = self.indexer
+                ix.compressor(x, layer, compress_rope, backend, meta, index=True)
+                qi = F.linear(q_res, ix.wq_b.weight).view(t, ix.heads, ix.dim)
+                qi = compress_rope(qi, pos)
+                w = F.linear(x.float(), ix.weights_proj.weight.float()) * ix.heads**-0.5
+                entries = backend.select(layer, qi, w, self.rate, ix.top_k, meta)
+        o = backend.attend(layer, q, self.attn_sink, self.head_dim**-0.5, meta, entries)
+        o = self.rope(o, pos, inverse=True).reshape(t, self.groups, -1)  # [T, G, H * D / G]
+        wa = self.wo_a.weight.view(self.groups, -1, o.shape[-1])  # [G, r, H * D / G]
+        grouped = torch.einsum("tgi,gri->tgr", o, wa).reshape(t, -1)
+        return F.linear(grouped, self.wo_b.weight)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, ropes: dict[str, InterleavedRope]) -> None:
+        super().__init__()
+        v4 = cfg.deepseek_v4
+        kind = v4.layer_types[layer]
+        d, n = cfg.hidden_size, v4.hc_mult
+        self.attn = Attention(cfg, kind, ropes["main" if kind == SLIDING else "compress"])
+        hashed = v4.mlp_layer_types[layer] == "hash_moe"
+        self.ffn = MoE(d, v4, cfg.vocab_size, hashed)
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        hc = (n, d, v4.hc_sinkhorn_iters, v4.hc_eps, cfg.rms_norm_eps)
+        self.hc_attn, self.hc_ffn = HyperConnection(*hc), HyperConnection(*hc)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    # Kept in float32 whatever the serving dtype, as the reference keeps them.
+    keep_fp32 = ("hc_", "attn_sink", "ape", "compressor.", "weights_proj", "gate.bias")
+
+    def __init__(self, cfg: ModelConfig, max_position: int | None = None) -> None:
+        super().__init__()
+        v4 = cfg.deepseek_v4
+        assert v4 is not None
+        self.config = cfg
+        max_position = max_position or cfg.max_position_embeddings
+        self.ropes = {
+            "main": InterleavedRope(v4.main_rope, cfg.head_dim, max_position),
+            "compress": InterleavedRope(v4.compress_rope, cfg.head_dim, max_position),
+        }
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            [Block(cfg, i, self.ropes) for i in range(cfg.num_hidden_layers)]
+        )
+        self.hc_head = HyperHead(v4.hc_mult, cfg.hidden_size, v4.hc_eps, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = LogitsHead(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.head.weight = self.embed.weight
+
+    # ---- loading ----------------------------------------------------------
+
+    @staticmethod
+    def checkpoint_key(key: str) -> str | None:
+        """Our name for a checkpoint key (DeepSeek's or transformers'); None
+        for what is not part of the target (the MTP / DSpark layers)."""
+        key = key.removeprefix("model.")
+        if key.startswith("mtp."):
+            return None
+        renames = {
+            "embed_tokens.weight": "embed.weight",
+            "lm_head.weight": "head.weight",
+            "hc_head.hc_fn": "hc_head.fn",
+            "hc_head.hc_base": "hc_head.base",
+            "hc_head.hc_scale": "hc_head.scale",
+            "hc_head_fn": "hc_head.fn",
+            "hc_head_base": "hc_head.base",
+            "hc_head_scale": "hc_head.scale",
+        }
+        if key in renames:
+            return renames[key]
+        for site in ("attn", "ffn"):
+            for part in ("fn", "base", "scale"):
+                key = key.replace(f".hc_{site}_{part}", f".hc_{site}.{part}")
+        return key
+
+    def checkpoint_targets(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, param in self.named_parameters():
+            if ".ffn.experts." not in name:
+                out[name] = param.data
+        for name, buf in self.named_buffers():
+            out[name] = buf
+        for i, block in enumerate(self.layers):
+            out.update(block.ffn.experts.checkpoint_targets(f"layers.{i}.ffn.experts"))
+        if self.config.tie_word_embeddings:
+            out.pop("head.weight", None)
+        return out
+
+    def post_load(self) -> None:
+        self.head.post_load()
+
+    # ---- the forward --------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        backend: CompressedAttentionBackend,
+        capture_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if capture_layer_ids:
+            raise ValueError("DeepseekV4ForCausalLM: capturing hidden states is not supported")
+        h = self.embed(input_ids)
+        streams = h[:, None, :].expand(-1, self.config.deepseek_v4.hc_mult, -1).contiguous()
+        compress_rope = self.ropes["compress"]
+        for i, block in enumerate(self.layers):
+            x, post, comb = block.hc_attn(streams)
+            out = block.attn(i, block.attn_norm.forward(x), meta, backend, compress_rope)
+            streams = expand(streams, out, post, comb)
+            x, post, comb = block.hc_ffn(streams)
+            out = block.ffn(block.ffn_norm.forward(x), input_ids)
+            streams = expand(streams, out, post, comb)
+        return self.norm.forward(self.hc_head(streams)), []
+
+    def compile_dense(self) -> None:
+        raise ValueError("enable_torch_compile: not supported for DeepseekV4ForCausalLM yet")
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
