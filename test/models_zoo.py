@@ -82,3 +82,34 @@ def random_prompts(n: int, lengths: list[int], vocab: int = 500, seed: int = 0) 
         torch.randint(4, vocab, (lengths[i % len(lengths)],), generator=g).tolist()
         for i in range(n)
     ]
+
+
+# FP8 block scaling (DeepSeek's and Qwen's ``-FP8`` format), written out here.
+BLOCK = (16, 16)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block amax scaling written out here: fp8 weight and float32 scale_inv."""
+    n, k = w.shape
+    bn, bk = BLOCK
+    rows, cols = -(-n // bn), -(-k // bk)
+    scale = torch.empty(rows, cols)
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    for i in range(rows):
+        for j in range(cols):
+            blk = w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk]
+            s = max(float(blk.abs().max()), 1e-12) / FP8_MAX
+            scale[i, j] = s
+            q[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = (blk / s).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(q.shape)
+    bn, bk = BLOCK
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
+            out[rows, cols] = q[rows, cols].float() * scale[i, j]
+    return out

@@ -9,13 +9,20 @@ score gap, so it changes nothing but the order of exact ties.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from models_zoo import hf_sequence_logprobs, random_prompts
+from models_zoo import BLOCK, dequantize, hf_sequence_logprobs, quantize, random_prompts
 from specserve import Engine
 from specserve.cache.block_pool import cache_groups
+from specserve.config import ModelConfig
 from specserve.layers.compressed_attention import bytes_per_page
+from specserve.models.deepseek_v4_config import CSA, HCA, SLIDING
 from specserve.tools.tiny_model import make_tiny_model
 
 TOL = 1e-4
@@ -162,3 +169,103 @@ def test_window_pages_are_freed_and_pools_match_accounting(v4_path) -> None:
             pool.index_keys[i] for i in layers if i in pool.index_keys
         ]
         assert sum(t.nbytes for t in tensors) == runner.group_pages[g] * paid[g]
+
+
+FP8_KEYS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "w1", "w2", "w3")
+
+
+def test_fp8_block_scaled_v4_serves_like_its_dequantised_source(v4_path, tmp_path) -> None:
+    """DeepSeek's projections FP8 block-scaled (experts included): served
+    within fp8 rounding of the source, and exactly like transformers on the
+    dequantised weights."""
+    import transformers.models.deepseek_v4.modeling_deepseek_v4 as hf_v4
+    from transformers import AutoModelForCausalLM
+
+    state = load_file(os.path.join(v4_path, "model.safetensors"))
+    fp8, plain = str(tmp_path / "fp8"), str(tmp_path / "dequantised")
+    for d in (fp8, plain):
+        shutil.copytree(v4_path, d, ignore=shutil.ignore_patterns("*.safetensors"))
+    quantised, dequantised = {}, {}
+    for key, w in state.items():
+        if key.rsplit(".", 2)[-2] in FP8_KEYS:
+            q, s = quantize(w.float())
+            quantised[key], quantised[key + "_scale_inv"] = q, s
+            dequantised[key] = dequantize(q, s)
+        else:
+            quantised[key] = dequantised[key] = w
+    save_file(quantised, os.path.join(fp8, "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantised, os.path.join(plain, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(fp8, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(BLOCK)}
+    with open(os.path.join(fp8, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+    eng = engine(fp8)
+    w = dict(eng.runner.model.named_parameters())["layers.1.attn.wq_b.weight"]
+    src = state["model.layers.1.attn.wq_b.weight"]
+    assert torch.equal(w, dequantised["model.layers.1.attn.wq_b.weight"])
+    assert ((w - src).abs() <= src.abs() / 16 + 1e-6).all() and not torch.equal(w, src)
+    scorer = hf_v4.DeepseekV4IndexerScorer
+    original = scorer.forward
+    scorer.forward = lambda self, q, k, h: (
+        original(self, q, k, h) - torch.arange(k.shape[1], dtype=torch.float32) * 1e-30
+    )
+    try:
+        ref = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+        prompt = random_prompts(1, [37], seed=9)[0]
+        ((ids, lps),) = run(eng, [prompt], 20)
+        check(ref, prompt, ids, lps)
+    finally:
+        scorer.forward = original
+
+
+def test_legacy_deepseek_config_fields() -> None:
+    """DeepSeek's own config spelling reads as transformers' does."""
+    cfg = {
+        "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+        "num_hidden_layers": 4, "num_attention_heads": 2, "head_dim": 16,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+        "compress_ratios": [128, 128, 4, 0], "num_hash_layers": 1, "qk_rope_head_dim": 4,
+        "o_groups": 2, "rope_scaling": {"type": "yarn", "factor": 16,
+                                        "original_max_position_embeddings": 65536},
+    }  # fmt: skip
+    v4 = ModelConfig.from_dict(cfg).deepseek_v4
+    assert v4.layer_types == (HCA, HCA, CSA, SLIDING)
+    assert v4.mlp_layer_types == ("hash_moe", "moe", "moe", "moe")
+    assert v4.rope_head_dim == 4 and v4.main_rope.rope_type == "default"
+    assert v4.compress_rope.rope_type == "yarn" and v4.compress_rope.theta == 160000.0
+    assert v4.compress_rope.get("attention_factor") == 1.0  # cos/sin not rescaled
+    assert v4.retain == 127  # an HCA window of 128 positions
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types must list"),
+        ({"compress_ratios": [0, 8], "layer_types": None}, r"compress_ratios has \[8\]"),
+        ({"scoring_func": "tanh"}, "scoring_func 'tanh' is not supported"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads must be 1"),
+        ({"o_groups": 3}, r"o_groups \(3\) must divide"),
+    ],
+)
+def test_bad_configs_are_named(change, match) -> None:
+    cfg = {
+        "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+        "layer_types": ["sliding_attention", "compressed_sparse_attention"], "o_groups": 2,
+    }  # fmt: skip
+    cfg.update(change)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_dict(cfg)
+
+
+def test_what_v4_does_not_serve_yet_is_named(v4_path) -> None:
+    with pytest.raises(ValueError, match="speculative_algorithm: DSPARK does not serve"):
+        engine(v4_path, speculative_algorithm="DSPARK", speculative_draft_model_path=v4_path)
+    with pytest.raises(ValueError, match="attention_backend: triton has no kernel"):
+        engine(v4_path, attention_backend="triton")
+    with pytest.raises(ValueError, match="enable_torch_compile: not supported"):
+        engine(v4_path, enable_torch_compile=True)

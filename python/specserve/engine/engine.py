@@ -108,6 +108,8 @@ class Engine:
             self.core.capacity_tokens,
             self.runner.load_seconds,
         )
+        if mc.deepseek_v4 is not None:
+            logger.info("KV per layer kind: %s", self.runner.describe_kv())
 
     def warm_up(self) -> None:
         """Runs tiny requests through every kind of step (prefill chunks of

@@ -54,6 +54,21 @@ def bytes_per_page(mc: ModelConfig, page_size: int, dtype: torch.dtype) -> list[
     return [page_size * b for b in per_slot]
 
 
+def describe_kv(mc: ModelConfig, dtype: torch.dtype) -> str:
+    """KV bytes per token of each layer kind, for the start-up log."""
+    v4, elem = mc.deepseek_v4, dtype.itemsize
+    window = mc.head_dim * elem
+    parts = []
+    for kind in (SLIDING, *v4.compressed_kinds):
+        n = v4.layer_types.count(kind)
+        text = f"{kind} x{n}: {window} B/token within the {v4.sliding_window}-token window"
+        if kind != SLIDING:
+            entry = (mc.head_dim + (v4.index_head_dim if kind == CSA else 0)) * elem
+            text += f" + {entry / v4.rate(kind):g} B/token of entries (1 per {v4.rate(kind)})"
+        parts.append(text)
+    return "; ".join(parts)
+
+
 class CompressedPool:
     """The tensors of every cache group (see the module docstring)."""
 

@@ -18,6 +18,7 @@ from specserve.layers.compressed_attention import (
     CompressedAttentionBackend,
     CompressedPool,
     bytes_per_page,
+    describe_kv,
 )
 from specserve.models.loader import load_model
 from specserve.runner.input_builder import build_inputs
@@ -86,6 +87,10 @@ class ModelRunner:
             self.config.attention_backend, self.kv_pool, mc.num_attention_heads, self.device
         )
 
+    def describe_kv(self) -> str:
+        """DeepSeek-V4's KV bytes per token of each layer kind."""
+        return describe_kv(self.model_config, self.dtype)
+
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
@@ -119,6 +124,11 @@ class ModelRunner:
         retained window and its largest step) and entry groups sized for as
         many tokens as the memory left allows (or ``max_total_tokens``)."""
         mc, ps = self.model_config, self.page_size
+        if self.config.attention_backend == "triton":
+            raise ValueError(
+                "attention_backend: triton has no kernel for DeepseekV4ForCausalLM's "
+                "compressed attention yet; use torch_native (the default for it)"
+            )
         per_page = bytes_per_page(mc, ps, self.dtype)
         per_page[0] += extra_bytes_per_page
         sched = self.config.scheduler

@@ -46,6 +46,12 @@ def load_drafter(config: EngineConfig, runner: ModelRunner) -> Any:
     pools are sized; None for algorithms without one."""
     if config.spec.algorithm not in ("DSPARK", "DFLASH"):
         return None
+    if runner.model_config.deepseek_v4 is not None:
+        raise ValueError(
+            f"speculative_algorithm: {config.spec.algorithm} does not serve a "
+            "DeepseekV4ForCausalLM target yet (its drafter reads one hidden state per "
+            "layer, V4 keeps mHC streams); NGRAM does"
+        )
     from specserve.speculative.dspark import DSparkProposer
 
     return DSparkProposer.load(config, runner)
