@@ -110,6 +110,17 @@ def test_every_split_of_a_40_token_prompt(v4_path, reference, chunk) -> None:
     check(reference, prompt, ids, lps)
 
 
+def test_sharded_checkpoint(v4_path, reference, tmp_path) -> None:
+    """The same weights (same seed) in several safetensors files."""
+    sharded = make_tiny_model(
+        str(tmp_path / "sharded"), arch="deepseek_v4", num_layers=5, max_shard_size="60KB"
+    )
+    assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) > 1
+    prompt = random_prompts(1, [21], seed=2)[0]
+    ((ids, lps),) = run(engine(sharded), [prompt], 30)
+    check(reference, prompt, ids, lps)
+
+
 def test_preemption_and_recompute(v4_path, reference) -> None:
     """Pools too small for every request: some are preempted and recomputed."""
     prompts = random_prompts(4, [30, 45], seed=7)

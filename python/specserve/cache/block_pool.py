@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from specserve.config import ModelConfig
 
 
@@ -12,6 +14,15 @@ def page_slots(page_table: Sequence[int], start: int, end: int, page_size: int) 
     """KV pool slots of positions ``start .. end - 1`` of a request with
     ``page_table``: position p is row ``p % page_size`` of page ``p // page_size``."""
     return [page_table[p // page_size] * page_size + p % page_size for p in range(start, end)]
+
+
+def table_slots(
+    tables: torch.Tensor, req: torch.Tensor, pos: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """``page_slots`` over tensors: slots of positions ``pos`` (clamped at 0)
+    of requests ``req`` through page tables padded into ``[B, P]``."""
+    pos = pos.clamp(min=0)
+    return tables[req, pos // page_size] * page_size + pos % page_size
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.cache.block_pool import CacheGroup
+from specserve.cache.block_pool import CacheGroup, table_slots
 from specserve.config import ModelConfig
 from specserve.layers.attention import AttentionMetadata
 from specserve.models.deepseek_v4_config import CSA, SLIDING
@@ -138,13 +138,6 @@ class CompressedPlan:
     visible: dict[int, Visible]  # by rate
 
 
-def _lookup(tables: torch.Tensor, req: torch.Tensor, pos: torch.Tensor, ps: int) -> torch.Tensor:
-    """Slots of positions ``pos`` (clamped at 0) of requests ``req`` through
-    padded page tables ``[B, P]``."""
-    pos = pos.clamp(min=0)
-    return tables[req, pos // ps] * ps + pos % ps
-
-
 def _padded(tables: list[list[int]]) -> torch.Tensor:
     width = max(1, max(len(t) for t in tables))
     return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int64)
@@ -159,7 +152,7 @@ def plan_compressed(
     pos = torch.cat([torch.arange(kv - q, kv) for q, kv in zip(meta.q_lens, meta.kv_lens)])  # [T]
     tables = _padded(meta.page_tables)
     wpos = pos[:, None] - (window - 1) + torch.arange(window)[None, :]  # [T, W]
-    wslots = _lookup(tables, req[:, None], wpos, ps)
+    wslots = table_slots(tables, req[:, None], wpos, ps)
     assert bool((wslots[wpos >= 0] >= 0).all()), "a window reads a freed page"
     bias = torch.zeros(wpos.shape).masked_fill_(wpos < 0, float("-inf"))
     visible = {}
@@ -170,7 +163,7 @@ def plan_compressed(
         n = int(counts.max()) if len(counts) else 0
         w = torch.arange(n)[None, :].expand(len(pos), -1)
         valid = w < counts[:, None]
-        slots = torch.where(valid, _lookup(etables, req[:, None], w, ps), 0)
+        slots = torch.where(valid, table_slots(etables, req[:, None], w, ps), 0)
         closing = None
         rows = torch.nonzero((pos + 1) % m == 0).flatten()
         if len(rows):
@@ -181,9 +174,9 @@ def plan_compressed(
             spos = first[:, None] + torch.arange(span)[None, :]  # [E, S]
             closing = Closing(
                 rows=rows.to(device),
-                sources=_lookup(tables, req[rows, None], spos, ps).to(device),
+                sources=table_slots(tables, req[rows, None], spos, ps).to(device),
                 valid=(spos >= 0).to(device),
-                dest=_lookup(etables, req[rows], cw, ps).to(device),
+                dest=table_slots(etables, req[rows], cw, ps).to(device),
                 positions=(cw * m).to(device),
             )
         visible[m] = Visible(slots.to(device), valid.to(device), closing)

@@ -104,7 +104,9 @@ class RoutedExperts(nn.Module):
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert
         tokens = order // k
-        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        # The slice bounds of each expert's tokens: one read per MoE layer (free
+        # on the CPU; on CUDA a grouped GEMM over device offsets would avoid it).
+        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()  # host read
         xs = x[tokens]  # [T * k, d]
         out = torch.empty_like(xs)
         start = 0

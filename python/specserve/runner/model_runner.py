@@ -73,6 +73,15 @@ class ModelRunner:
             return
         self.num_pages = self._kv_capacity_pages(extra_bytes_per_page, reserve)
         self.group_pages = [self.num_pages]
+        self.page_bytes = [
+            KVPool.bytes_per_page(
+                mc.num_hidden_layers,
+                self.page_size,
+                mc.num_key_value_heads,
+                mc.head_dim,
+                self.dtype,
+            )
+        ]
         self.capacity_tokens = self.num_pages * self.page_size
         self.kv_pool = KVPool(
             mc.num_hidden_layers,
@@ -129,8 +138,8 @@ class ModelRunner:
                 "attention_backend: triton has no kernel for DeepseekV4ForCausalLM's "
                 "compressed attention yet; use torch_native (the default for it)"
             )
-        per_page = bytes_per_page(mc, ps, self.dtype)
-        per_page[0] += extra_bytes_per_page
+        self.page_bytes = bytes_per_page(mc, ps, self.dtype)  # this model's, by group
+        per_page = [self.page_bytes[0] + extra_bytes_per_page, *self.page_bytes[1:]]
         sched = self.config.scheduler
         running, groups = sched.max_running_requests, self.cache_groups
 
