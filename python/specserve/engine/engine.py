@@ -99,17 +99,17 @@ class Engine:
         compiles = self.runner.device.type == "cuda" or self.config.enable_torch_compile
         if compiles and not self.config.skip_server_warmup:
             self.warm_up()
+        per_kind = f" ({self.runner.describe_kv()})" if mc.deepseek_v4 is not None else ""
         logger.info(
-            "engine ready: %s (%s) on %s, %s, KV capacity %d tokens, loaded in %.1fs",
+            "engine ready: %s (%s) on %s, %s, KV capacity %d tokens%s, loaded in %.1fs",
             model_path,
             mc.architecture,
             self.runner.device,
             self.runner.dtype,
             self.core.capacity_tokens,
+            per_kind,
             self.runner.load_seconds,
         )
-        if mc.deepseek_v4 is not None:
-            logger.info("KV per layer kind: %s", self.runner.describe_kv())
 
     def warm_up(self) -> None:
         """Runs tiny requests through every kind of step (prefill chunks of
