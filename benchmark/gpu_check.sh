@@ -49,7 +49,8 @@ import specserve
 print("specserve", specserve.__version__, "from", specserve.__file__)
 '
 stage gpu-tests 240 python -m pytest -m gpu -p no:cacheprovider -q -rs \
-    test/kernels test/layers test/engine/test_cuda_engine.py test/engine/test_engine.py
+    test/kernels test/layers test/engine/test_cuda_engine.py test/engine/test_engine.py \
+    test/models/test_deepseek_v4.py
 if [ -z "$dry" ] && ! python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
     echo "gpu_check: no CUDA device: the gpu tests skipped, the benchmarks are left out" | tee -a "$log"
 else
