@@ -257,6 +257,7 @@ def test_legacy_deepseek_config_fields() -> None:
         ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types must list"),
         ({"compress_ratios": [0, 8], "layer_types": None}, r"compress_ratios has \[8\]"),
         ({"scoring_func": "tanh"}, "scoring_func 'tanh' is not supported"),
+        ({"compress_rates": {"heavily_compressed_attention": 4}}, "compress_rates must be"),
         ({"num_key_value_heads": 2}, "num_key_value_heads must be 1"),
         ({"o_groups": 3}, r"o_groups \(3\) must divide"),
     ],

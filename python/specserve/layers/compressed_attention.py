@@ -115,7 +115,6 @@ class CompressedPool:
 class Closing:
     """The windows of one rate that this forward's tokens close."""
 
-    rows: torch.Tensor  # [E] token rows of the closing tokens
     sources: torch.Tensor  # [E, S] group-0 slots of each window's sources (S = 2m or m)
     valid: torch.Tensor  # [E, S] bool: CSA's first window has no previous one
     dest: torch.Tensor  # [E] entry slots
@@ -173,7 +172,6 @@ def plan_compressed(
             first = (cw - 1) * m if overlap else cw * m
             spos = first[:, None] + torch.arange(span)[None, :]  # [E, S]
             closing = Closing(
-                rows=rows.to(device),
                 sources=table_slots(tables, req[rows, None], spos, ps).to(device),
                 valid=(spos >= 0).to(device),
                 dest=table_slots(etables, req[rows], cw, ps).to(device),

@@ -97,6 +97,8 @@ def parse_deepseek_v4(cfg: dict[str, Any], head_dim: int, source: str) -> Deepse
     ):
         if len(types) != n or any(t not in allowed for t in types):
             raise bad(field, f"must list one of {allowed} for each of the {n} layers; got {types}")
+    if int(rates[CSA]) < 1 or int(rates[HCA]) <= int(rates[CSA]):
+        raise bad("compress_rates", f"must be >= 1 with HCA's above CSA's; got {rates}")
     scoring = str(cfg.get("scoring_func", "sqrtsoftplus"))
     if scoring not in SCORING_FUNCS:
         raise bad("scoring_func", f"{scoring!r} is not supported; supported: {SCORING_FUNCS}")

@@ -123,9 +123,11 @@ class ModelRunner:
         per_page = extra_bytes_per_page + KVPool.bytes_per_page(
             mc.num_hidden_layers, self.page_size, mc.num_key_value_heads, mc.head_dim, self.dtype
         )
-        # More than every running request at full context is never used.
-        most = self.config.scheduler.max_running_requests * self.context_length
-        budget = min(self._kv_budget(reserve_bytes), -(-most // self.page_size) * per_page)
+        budget = self._kv_budget(reserve_bytes)
+        if self.device.type != "cuda":
+            # More than every running request at full context is never used.
+            most = self.config.scheduler.max_running_requests * self.context_length
+            budget = min(budget, -(-most // self.page_size) * per_page)
         return _at_least_one(int(budget // per_page))
 
     def _allocate_compressed(self, extra_bytes_per_page: int, reserve_bytes: int) -> None:
