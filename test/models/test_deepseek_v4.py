@@ -132,6 +132,17 @@ def test_preemption_and_recompute(v4_path, reference) -> None:
         check(reference, prompt, ids, lps)
 
 
+def test_a_tiny_budget_still_serves_long_requests(v4_path, reference) -> None:
+    """``max_total_tokens`` below one prefill chunk: the window group still
+    holds one request's step, so a long prompt runs (to the entry pools'
+    capacity) instead of waiting forever."""
+    eng = engine(v4_path, max_total_tokens=16)
+    prompt = random_prompts(1, [60], seed=17)[0]
+    assert eng.core.capacity_tokens >= 75
+    ((ids, lps),) = run(eng, [prompt], 15)
+    check(reference, prompt, ids, lps)
+
+
 def test_ngram_speculation_equals_plain(v4_path) -> None:
     """Rejected drafts trim the compressed state too (windows they closed
     are un-emitted): NGRAM output is plain output, ids and logprobs."""

@@ -145,12 +145,18 @@ class ModelRunner:
         sched = self.config.scheduler
         running, groups = sched.max_running_requests, self.cache_groups
 
+        retain, chain = groups[0].retain, verify_chain(self.config)
+        step = -(-sched.chunked_prefill_size // ps) + running * (2 + chain // ps)
+        # What one request of any length needs in group 0 to take a step: its
+        # retained window, a whole prefill chunk or verify chain, a partial
+        # page at each end. Fewer pages would leave a long request waiting.
+        alone = -(-(retain + max(sched.chunked_prefill_size, chain)) // ps) + 2
+
         def pages(tokens: int) -> list[int]:
-            step = -(-sched.chunked_prefill_size // ps) + running * (
-                2 + verify_chain(self.config) // ps
-            )
-            window = min(-(-tokens // ps), running * (2 + groups[0].retain // ps) + step)
-            return [window] + [-(-tokens // (g.rate * ps)) + running for g in groups[1:]]
+            window = min(-(-tokens // ps), running * (2 + retain // ps) + step)
+            return [max(window, alone)] + [
+                -(-tokens // (g.rate * ps)) + running for g in groups[1:]
+            ]
 
         def cost(tokens: int) -> int:
             return sum(n * b for n, b in zip(pages(tokens), per_page))
