@@ -150,9 +150,20 @@ def test_ngram_speculation_equals_plain(v4_path) -> None:
     prompts = [p * 5 for p in base]  # repetitive: NGRAM drafts, some rejected
     plain = run(engine(v4_path), prompts, 90)
     spec_eng = engine(v4_path, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    trimmed: list[range] = []  # the positions each trim dropped
+    trim = spec_eng.core.scheduler.trim
+
+    def watch(req, num_tokens):
+        trimmed.append(range(num_tokens, req.num_computed))
+        trim(req, num_tokens)
+
+    spec_eng.core.scheduler.trim = watch
     spec = run(spec_eng, prompts, 90)
     stats = spec_eng.core.spec.stats
     assert stats.rounds > 0 and stats.accept_length < 5  # drafts were both kept and rejected
+    # Some rejected drafts had closed a CSA window and an HCA window (rates 4, 16).
+    for rate in (4, 16):
+        assert any((p + 1) % rate == 0 for r in trimmed for p in r)
     for (a_ids, a_lps), (b_ids, b_lps) in zip(plain, spec):
         assert a_ids == b_ids
         assert max(abs(x - y) for x, y in zip(a_lps, b_lps)) < 1e-5
