@@ -220,13 +220,16 @@ def test_fp8_block_scaled_v4_serves_like_its_dequantised_source(v4_path, tmp_pat
     for d in (fp8, plain):
         shutil.copytree(v4_path, d, ignore=shutil.ignore_patterns("*.safetensors"))
     quantised, dequantised = {}, {}
-    for key, w in state.items():
+    for i, (key, w) in enumerate(state.items()):
         if key.rsplit(".", 2)[-2] in FP8_KEYS:
             q, s = quantize(w.float())
-            quantised[key], quantised[key + "_scale_inv"] = q, s
+            # Both spellings of the scales: transformers' and DeepSeek's own.
+            scale_key = key + "_scale_inv" if i % 2 else key.removesuffix(".weight") + ".scale"
+            quantised[key], quantised[scale_key] = q, s
             dequantised[key] = dequantize(q, s)
         else:
             quantised[key] = dequantised[key] = w
+    assert {k.rsplit(".", 1)[-1] for k in quantised} >= {"scale", "weight_scale_inv"}
     save_file(quantised, os.path.join(fp8, "model.safetensors"), metadata={"format": "pt"})
     save_file(dequantised, os.path.join(plain, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(fp8, "config.json")) as f:

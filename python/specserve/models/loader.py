@@ -21,6 +21,19 @@ logger = logging.getLogger(__name__)
 # Checkpoint entries that carry no weights of ours.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SCALE_SUFFIX = "_scale_inv"  # "<weight key>_scale_inv": an FP8 weight's block scales
+# DeepSeek's own spelling: "<module>.scale" beside "<module>.weight".
+DEEPSEEK_SCALE_SUFFIX = ".scale"
+
+
+def scaled_weight(key: str) -> str | None:
+    """The weight a block-scale tensor scales (either spelling), or None."""
+    if key.endswith(SCALE_SUFFIX):
+        return key[: -len(SCALE_SUFFIX)]
+    if key.endswith(DEEPSEEK_SCALE_SUFFIX):
+        return key[: -len(DEEPSEEK_SCALE_SUFFIX)] + ".weight"
+    return None
+
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -119,13 +132,15 @@ def dequantize_fp8(
 
 
 def _scales(files: list[str]) -> dict[str, torch.Tensor]:
-    """Every ``*_scale_inv`` tensor of the checkpoint, by the weight it scales."""
+    """Every block-scale tensor of the checkpoint (``*.weight_scale_inv``, or
+    DeepSeek's ``*.scale``), by the weight it scales."""
     out = {}
     for path in files:
         with safe_open(path, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if key.endswith(SCALE_SUFFIX):
-                    out[key[: -len(SCALE_SUFFIX)]] = f.get_tensor(key)
+                weight = scaled_weight(key)
+                if weight is not None:
+                    out[weight] = f.get_tensor(key)
     return out
 
 
@@ -165,7 +180,7 @@ def load_state(
     for path, key, tensor in iter_checkpoint(files):
         if key.endswith(_IGNORED_SUFFIXES) or key in skip:
             continue
-        if fp8_block is not None and key.endswith(SCALE_SUFFIX):
+        if fp8_block is not None and scaled_weight(key) is not None:
             continue  # read with its weight
         if rename is not None:
             ours = rename(key)
