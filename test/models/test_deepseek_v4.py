@@ -258,12 +258,13 @@ def test_fp8_block_scaled_v4_serves_like_its_dequantised_source(v4_path, tmp_pat
 
 
 def test_legacy_deepseek_config_fields() -> None:
-    """DeepSeek's own config spelling reads as transformers' does."""
+    """DeepSeek's own config spelling reads as transformers' does (its
+    ``compress_ratios`` run past the layers: the tail is the MTP layers')."""
     cfg = {
         "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
         "num_hidden_layers": 4, "num_attention_heads": 2, "head_dim": 16,
         "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
-        "compress_ratios": [128, 128, 4, 0], "num_hash_layers": 1, "qk_rope_head_dim": 4,
+        "compress_ratios": [128, 128, 4, 0, 4, 0], "num_hash_layers": 1, "qk_rope_head_dim": 4,
         "o_groups": 2, "rope_scaling": {"type": "yarn", "factor": 16,
                                         "original_max_position_embeddings": 65536},
     }  # fmt: skip
