@@ -14,8 +14,6 @@ names transformers writes (``model.`` prefix, ``embed_tokens``, ``lm_head``).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,8 +33,6 @@ from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import rope_inv_freq
 from specserve.models.deepseek_v4_config import CSA, SLIDING
 
-logger = logging.getLogger(__name__)
-
 
 class InterleavedRope:
     """RoPE on the trailing ``rot_dim`` channels, rotating channel pairs
@@ -51,14 +47,18 @@ class InterleavedRope:
         )
         self._cos, self._sin = freqs.cos() * scale, freqs.sin() * scale  # [P, rot_dim // 2]
 
-    def __call__(
-        self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False
-    ) -> torch.Tensor:
-        """``x [T, heads, D]`` at ``positions [T]``."""
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, rot_dim // 2]`` at ``positions [T]``: looked up
+        once per forward, shared by every layer of this RoPE."""
         if self._cos.device != positions.device:
             self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
-        cos = self._cos[positions][:, None, :]  # [T, 1, rot_dim // 2]
-        sin = self._sin[positions][:, None, :]
+        return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
+
+    def rotate(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], inverse: bool = False
+    ) -> torch.Tensor:
+        """``x [T, heads, D]`` rotated by ``at(positions)``."""
+        cos, sin = cos_sin
         if inverse:
             sin = -sin
         nope, rot = x[..., : -self.rot_dim], x[..., -self.rot_dim :].float()
@@ -96,7 +96,7 @@ class Compressor(nn.Module):
         if closed is not None:
             entries, positions = closed
             entries = self.norm.forward(entries)  # [E, d] float32
-            entries = rope(entries[:, None, :], positions)[:, 0]
+            entries = rope.rotate(entries[:, None, :], rope.at(positions))[:, 0]
             backend.store_entries(layer, entries, self.rate, meta, index)
 
 
@@ -118,7 +118,7 @@ class Attention(nn.Module):
         super().__init__()
         v4 = cfg.deepseek_v4
         h, d = cfg.num_attention_heads, cfg.head_dim
-        self.heads, self.head_dim, self.kind, self.rope = h, d, kind, rope
+        self.heads, self.head_dim, self.rope = h, d, rope
         self.groups, self.eps = v4.o_groups, cfg.rms_norm_eps
         self.wq_a = nn.Linear(cfg.hidden_size, v4.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(v4.q_lora_rank, cfg.rms_norm_eps)
@@ -143,13 +143,15 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: CompressedAttentionBackend,
         compress_rope: InterleavedRope,
+        at: dict[InterleavedRope, tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        t, pos = x.shape[0], meta.positions
+        """``at``: each RoPE's cos/sin at this forward's positions."""
+        t, rope = x.shape[0], self.rope
         q_res = self.q_norm.forward(F.linear(x, self.wq_a.weight))  # [T, q_lora]
         q = F.linear(q_res, self.wq_b.weight).view(t, self.heads, self.head_dim)
-        q = self.rope(unweighted_rms_norm(q, self.eps), pos)
+        q = rope.rotate(unweighted_rms_norm(q, self.eps), at[rope])
         kv = self.norm.forward(F.linear(x, self.wkv.weight))
-        kv = self.rope(kv[:, None, :], pos)[:, 0]  # [T, D]
+        kv = rope.rotate(kv[:, None, :], at[rope])[:, 0]  # [T, D]
         backend.store_window(layer, kv, meta)
         entries = None
         if self.compressor is not None:
@@ -160,11 +162,11 @@ class Attention(nn.Module):
                 ix = self.indexer
                 ix.compressor(x, layer, compress_rope, backend, meta, index=True)
                 qi = F.linear(q_res, ix.wq_b.weight).view(t, ix.heads, ix.dim)
-                qi = compress_rope(qi, pos)
+                qi = compress_rope.rotate(qi, at[compress_rope])
                 w = F.linear(x.float(), ix.weights_proj.weight.float()) * ix.heads**-0.5
                 entries = backend.select(layer, qi, w, self.rate, ix.top_k, meta)
         o = backend.attend(layer, q, self.attn_sink, self.head_dim**-0.5, meta, entries)
-        o = self.rope(o, pos, inverse=True).reshape(t, self.groups, -1)  # [T, G, H * D / G]
+        o = rope.rotate(o, at[rope], inverse=True).reshape(t, self.groups, -1)  # [T, G, H*D/G]
         wa = self.wo_a.weight.view(self.groups, -1, o.shape[-1])  # [G, r, H * D / G]
         grouped = torch.einsum("tgi,gri->tgr", o, wa).reshape(t, -1)
         return F.linear(grouped, self.wo_b.weight)
@@ -265,9 +267,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         h = self.embed(input_ids)
         streams = h[:, None, :].expand(-1, self.config.deepseek_v4.hc_mult, -1).contiguous()
         compress_rope = self.ropes["compress"]
+        at = {rope: rope.at(meta.positions) for rope in self.ropes.values()}
         for i, block in enumerate(self.layers):
             x, post, comb = block.hc_attn(streams)
-            out = block.attn(i, block.attn_norm.forward(x), meta, backend, compress_rope)
+            out = block.attn(i, block.attn_norm.forward(x), meta, backend, compress_rope, at)
             streams = expand(streams, out, post, comb)
             x, post, comb = block.hc_ffn(streams)
             out = block.ffn(block.ffn_norm.forward(x), input_ids)
