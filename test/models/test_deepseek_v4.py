@@ -9,6 +9,7 @@ score gap, so it changes nothing but the order of exact ties.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -39,23 +40,32 @@ def v4_path(tmp_path_factory) -> str:
     )
 
 
-@pytest.fixture(scope="module")
-def reference(v4_path):
+@contextlib.contextmanager
+def earlier_entry_wins():
+    """transformers' indexer with our tie rule: a perturbation far below any
+    real score gap that orders exact ties by entry index."""
     import transformers.models.deepseek_v4.modeling_deepseek_v4 as hf_v4
-    from transformers import AutoModelForCausalLM
 
     scorer = hf_v4.DeepseekV4IndexerScorer
     original = scorer.forward
 
-    def earlier_entry_wins(self, q, keys, hidden):
+    def forward(self, q, keys, hidden):
         scores = original(self, q, keys, hidden)
         return scores - torch.arange(scores.shape[-1], dtype=scores.dtype) * 1e-30
 
-    scorer.forward = earlier_entry_wins
+    scorer.forward = forward
     try:
-        yield AutoModelForCausalLM.from_pretrained(v4_path, dtype=torch.float32).eval()
+        yield
     finally:
         scorer.forward = original
+
+
+@pytest.fixture(scope="module")
+def reference(v4_path):
+    from transformers import AutoModelForCausalLM
+
+    with earlier_entry_wins():
+        yield AutoModelForCausalLM.from_pretrained(v4_path, dtype=torch.float32).eval()
 
 
 def engine(path: str, **kw) -> Engine:
@@ -212,7 +222,6 @@ def test_fp8_block_scaled_v4_serves_like_its_dequantised_source(v4_path, tmp_pat
     """DeepSeek's projections FP8 block-scaled (experts included): served
     within fp8 rounding of the source, and exactly like transformers on the
     dequantised weights."""
-    import transformers.models.deepseek_v4.modeling_deepseek_v4 as hf_v4
     from transformers import AutoModelForCausalLM
 
     state = load_file(os.path.join(v4_path, "model.safetensors"))
@@ -243,18 +252,11 @@ def test_fp8_block_scaled_v4_serves_like_its_dequantised_source(v4_path, tmp_pat
     src = state["model.layers.1.attn.wq_b.weight"]
     assert torch.equal(w, dequantised["model.layers.1.attn.wq_b.weight"])
     assert ((w - src).abs() <= src.abs() / 16 + 1e-6).all() and not torch.equal(w, src)
-    scorer = hf_v4.DeepseekV4IndexerScorer
-    original = scorer.forward
-    scorer.forward = lambda self, q, k, h: (
-        original(self, q, k, h) - torch.arange(k.shape[1], dtype=torch.float32) * 1e-30
-    )
-    try:
-        ref = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
-        prompt = random_prompts(1, [37], seed=9)[0]
-        ((ids, lps),) = run(eng, [prompt], 20)
+    ref = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    prompt = random_prompts(1, [37], seed=9)[0]
+    ((ids, lps),) = run(eng, [prompt], 20)
+    with earlier_entry_wins():
         check(ref, prompt, ids, lps)
-    finally:
-        scorer.forward = original
 
 
 def test_legacy_deepseek_config_fields() -> None:
