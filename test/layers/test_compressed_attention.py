@@ -10,10 +10,12 @@ from specserve.layers.compressed_attention import Visible, compress_windows, sel
 def test_indexer_ties_go_to_the_earlier_entry_and_never_past_the_visible() -> None:
     n, top_k = 6, 3
     keys = torch.zeros(n, 4)  # every score 0: all tied
-    slots = torch.arange(n)[None, :].expand(2, -1)
-    valid = torch.tensor([[True] * 6, [True, True, False, False, False, False]])
+    # Two queries of one request, seeing all 6 entries and the first 2.
+    visible = Visible(
+        torch.arange(n)[None, :], torch.zeros(2, dtype=torch.long), torch.tensor([6, 2]), None
+    )
     q, w = torch.randn(2, 2, 4), torch.ones(2, 2)
-    got, ok = select_entries(q, w, keys, Visible(slots, valid, None), top_k)
+    got, ok = select_entries(q, w, keys, visible, top_k)
     assert got[0].tolist() == [0, 1, 2] and ok[0].all()
     assert set(got[1][ok[1]].tolist()) == {0, 1} and ok[1].sum() == 2
 
@@ -25,8 +27,12 @@ def test_indexer_picks_the_top_scores() -> None:
         torch.randn(3, 4, 8, generator=g),
         torch.rand(3, 4),
     )
-    slots, valid = torch.arange(10)[None, :].expand(3, -1), torch.ones(3, 10, dtype=torch.bool)
-    got, _ = select_entries(q, w, keys, Visible(slots, valid, None), 4)
+    visible = Visible(
+        torch.arange(10)[None, :], torch.zeros(3, dtype=torch.long), torch.full((3,), 10), None
+    )
+    got, _ = select_entries(q, w, keys, visible, 4)
+    chunked, _ = select_entries(q, w, keys, visible, 4, budget=1)  # one query per gather
+    assert torch.equal(chunked, got)
     for t in range(3):
         scores = [
             sum(float(w[t, h]) * max(0.0, float(q[t, h] @ keys[e])) for h in range(4))

@@ -132,6 +132,16 @@ def test_sharded_checkpoint(v4_path, reference, tmp_path) -> None:
     check(reference, prompt, ids, lps)
 
 
+def test_queries_in_chunks_attend_as_in_one(v4_path, reference) -> None:
+    """A prefill's queries gathered a few rows at a time (as a long prompt's
+    are, under the gather budget) give the same result."""
+    eng = engine(v4_path)
+    eng.runner.attn_backend.budget = 300  # a handful of query rows per gather
+    prompt = random_prompts(1, [50], seed=19)[0]
+    ((ids, lps),) = run(eng, [prompt], 12)
+    check(reference, prompt, ids, lps)
+
+
 def test_preemption_and_recompute(v4_path, reference) -> None:
     """Pools too small for every request: some are preempted and recomputed."""
     prompts = random_prompts(4, [30, 45], seed=7)

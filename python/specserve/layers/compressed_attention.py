@@ -123,11 +123,23 @@ class Closing:
 
 @dataclass
 class Visible:
-    """The entries of one rate each query may see: ``w < (p + 1) // m``."""
+    """The entries of one rate each query may see: ``w < (p + 1) // m``,
+    kept per request (every query of a request sees a prefix of the same
+    entries) and expanded per query only for the rows being computed."""
 
-    slots: torch.Tensor  # [T, N] entry slots (0 where not valid)
-    valid: torch.Tensor  # [T, N] bool
+    slots: torch.Tensor  # [B, N] each request's entry slots
+    req: torch.Tensor  # [T] each query's request
+    count: torch.Tensor  # [T] entries each query sees
     closing: Closing | None  # None: no window closes in this forward
+
+    @property
+    def width(self) -> int:
+        return self.slots.shape[1]
+
+    def rows(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``[t, N]`` (0 where not visible) and visibility of query ``rows``."""
+        valid = torch.arange(self.width, device=self.count.device)[None, :] < self.count[rows, None]
+        return torch.where(valid, self.slots[self.req[rows]], 0), valid
 
 
 @dataclass
@@ -160,9 +172,8 @@ def plan_compressed(
         etables = _padded([t[g] for t in meta.entry_tables])
         counts = (pos + 1) // m  # [T]
         n = int(counts.max()) if len(counts) else 0
-        w = torch.arange(n)[None, :].expand(len(pos), -1)
-        valid = w < counts[:, None]
-        slots = torch.where(valid, table_slots(etables, req[:, None], w, ps), 0)
+        per_req = torch.arange(len(meta.q_lens))[:, None]
+        slots = table_slots(etables, per_req, torch.arange(n)[None, :], ps)  # [B, N]
         closing = None
         rows = torch.nonzero((pos + 1) % m == 0).flatten()
         if len(rows):
@@ -177,7 +188,9 @@ def plan_compressed(
                 dest=table_slots(etables, req[rows], cw, ps).to(device),
                 positions=(cw * m).to(device),
             )
-        visible[m] = Visible(slots.to(device), valid.to(device), closing)
+        visible[m] = Visible(
+            slots.clamp(min=0).to(device), req.to(device), counts.to(device), closing
+        )
     return CompressedPlan(wslots.to(device), bias.to(device), visible)
 
 
@@ -203,23 +216,41 @@ def compress_windows(
     return (kv * gate.softmax(dim=1, dtype=torch.float32)).sum(dim=1)  # [E, d]
 
 
+# Elements one per-query gather or score tensor may hold: query rows go in
+# chunks below it, so a long prompt's prefill never materialises a
+# [T, N, D] gather of every visible entry for every query at once.
+GATHER_BUDGET = 1 << 24
+
+
+def row_chunks(rows: int, per_row: int, budget: int) -> list[slice]:
+    step = max(1, budget // max(1, per_row))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
 def select_entries(
     q: torch.Tensor,  # [T, Hi, Di] the indexer's queries
     head_weights: torch.Tensor,  # [T, Hi] float32
     keys: torch.Tensor,  # [S, Di] the indexer's key pool
     visible: Visible,
     top_k: int,
+    budget: int = GATHER_BUDGET,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The indexer's ``top_k`` entries per query (slots ``[T, k]`` and
     validity): score ``sum_h w_h relu(q_h . k)``. Ties go to the earlier
     entry, so a query picks the same entries whether its prefix was computed
     in one forward or many (ReLU makes exact-zero ties common)."""
-    ks = keys[visible.slots].float()  # [T, N, Di]
-    s = torch.relu(torch.einsum("thd,tnd->thn", q.float(), ks)) * q.shape[-1] ** -0.5
-    s = (s * head_weights[..., None]).sum(dim=1).masked_fill(~visible.valid, float("-inf"))
-    k = min(top_k, s.shape[1])
-    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
-    return visible.slots.gather(1, order), visible.valid.gather(1, order)
+    n = visible.width
+    k = min(top_k, n)
+    picked, ok = [], []
+    for rows in row_chunks(q.shape[0], n * max(q.shape[1], q.shape[2]), budget):
+        slots, valid = visible.rows(rows)
+        ks = keys[slots].float()  # [t, N, Di]
+        s = torch.relu(torch.einsum("thd,tnd->thn", q[rows].float(), ks)) * q.shape[-1] ** -0.5
+        s = (s * head_weights[rows, :, None]).sum(dim=1).masked_fill(~valid, float("-inf"))
+        order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
+        picked.append(slots.gather(1, order))
+        ok.append(valid.gather(1, order))
+    return torch.cat(picked), torch.cat(ok)
 
 
 def sink_attention(
@@ -244,6 +275,7 @@ class CompressedAttentionBackend:
 
     def __init__(self, mc: ModelConfig, pool: CompressedPool, groups: tuple[CacheGroup, ...]):
         self.pool, self.groups = pool, groups
+        self.budget = GATHER_BUDGET  # elements per gather (tests shrink it)
         self.window = mc.deepseek_v4.sliding_window
         self.csa_rate = mc.deepseek_v4.rate(CSA) if CSA in mc.deepseek_v4.layer_types else 0
 
@@ -293,8 +325,9 @@ class CompressedAttentionBackend:
         self, layer: int, q: torch.Tensor, head_weights: torch.Tensor, rate: int, top_k: int, meta
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return select_entries(
-            q, head_weights, self.pool.index_keys[layer], meta.plan.visible[rate], top_k
-        )
+            q, head_weights, self.pool.index_keys[layer], meta.plan.visible[rate], top_k,
+            self.budget,
+        )  # fmt: skip
 
     def attend(
         self,
@@ -303,18 +336,30 @@ class CompressedAttentionBackend:
         sinks: torch.Tensor,
         scale: float,
         meta: AttentionMetadata,
-        entries: tuple[torch.Tensor, torch.Tensor] | None = None,
+        entries: Visible | tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """``q [T, H, D]`` over its window and, when given, entry slots with
-        their validity ``([T, N], [T, N])`` -> ``[T, H, D]``."""
+        """``q [T, H, D]`` over its window and, when given, entries: every
+        visible one (``Visible``) or chosen slots with their validity
+        ``([T, k], [T, k])`` -> ``[T, H, D]``."""
         plan = meta.plan
-        keys = self.pool.window[layer][plan.window_slots]  # [T, W, D]
-        bias = plan.window_bias
-        if entries is not None and entries[0].shape[1]:
-            slots, valid = entries
-            keys = torch.cat([keys, self.pool.entries[layer][slots]], dim=1)
-            extra = torch.zeros(valid.shape, device=valid.device).masked_fill_(
-                ~valid, float("-inf")
-            )
-            bias = torch.cat([bias, extra], dim=1)
-        return sink_attention(q, keys.to(q.dtype), bias, sinks, scale)
+        window, pool = self.pool.window[layer], self.pool.entries.get(layer)
+        n = (
+            0
+            if entries is None
+            else (entries.width if isinstance(entries, Visible) else entries[0].shape[1])
+        )
+        width = plan.window_slots.shape[1] + n
+        out = []
+        for rows in row_chunks(q.shape[0], width * max(q.shape[1], q.shape[2]), self.budget):
+            keys = window[plan.window_slots[rows]]  # [t, W, D]
+            bias = plan.window_bias[rows]
+            if n:
+                if isinstance(entries, Visible):
+                    slots, valid = entries.rows(rows)
+                else:
+                    slots, valid = entries[0][rows], entries[1][rows]
+                keys = torch.cat([keys, pool[slots]], dim=1)  # [t, W + N, D]
+                hidden = torch.zeros(valid.shape, device=valid.device)
+                bias = torch.cat([bias, hidden.masked_fill_(~valid, float("-inf"))], dim=1)
+            out.append(sink_attention(q[rows], keys.to(q.dtype), bias, sinks, scale))
+        return torch.cat(out)

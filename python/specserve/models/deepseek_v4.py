@@ -156,8 +156,7 @@ class Attention(nn.Module):
         entries = None
         if self.compressor is not None:
             self.compressor(x, layer, compress_rope, backend, meta)
-            visible = meta.plan.visible[self.rate]
-            entries = (visible.slots, visible.valid)
+            entries = meta.plan.visible[self.rate]  # HCA: every visible entry
             if self.indexer is not None:
                 ix = self.indexer
                 ix.compressor(x, layer, compress_rope, backend, meta, index=True)
