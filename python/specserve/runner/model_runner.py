@@ -15,6 +15,7 @@ from specserve.config import EngineConfig, ModelConfig
 from specserve.core import BatchEntry, ScheduledBatch
 from specserve.layers.attention import AttentionBackend, make_attention_backend
 from specserve.layers.compressed_attention import (
+    GATHER_BUDGET,
     CompressedAttentionBackend,
     CompressedPool,
     bytes_per_page,
@@ -260,7 +261,12 @@ def activation_bytes(config: EngineConfig, mc: ModelConfig, context_length: int)
     per_token = elem * (6 * mc.hidden_size + 3 * mc.intermediate_size + 2 * qkv)
     logits = 4 * 4 * mc.vocab_size  # float32: logits, processed, probabilities, scoring
     attention = 0
-    if config.attention_backend == "torch_native":
+    if mc.deepseek_v4 is not None:
+        # mHC's streams (and their mixes) per token; the compressed attention's
+        # gathers, scores and probabilities, each bounded by its budget.
+        per_token += elem * 3 * mc.deepseek_v4.hc_mult * mc.hidden_size
+        attention = 4 * 4 * GATHER_BUDGET
+    elif config.attention_backend == "torch_native":
         # That backend gathers each request's pages (one layer at a time).
         attention = (
             2 * sched.max_running_requests * context_length
