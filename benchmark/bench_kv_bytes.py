@@ -41,7 +41,7 @@ def measured(path: str, args: argparse.Namespace) -> float:
         context_length=args.context,
     )  # fmt: skip
     core, runner = eng.core, eng.runner
-    pools = [core.block_pool] + [pool for pool, _ in core.entry_pools]
+    pools = core.pools
     held = 0
     schedule = core.scheduler.schedule
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import tempfile
@@ -113,3 +114,23 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
             rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
             out[rows, cols] = q[rows, cols].float() * scale[i, j]
     return out
+
+
+@contextlib.contextmanager
+def earlier_entry_wins():
+    """transformers' indexer with our tie rule: a perturbation far below any
+    real score gap that orders exact ties by entry index."""
+    import transformers.models.deepseek_v4.modeling_deepseek_v4 as hf_v4
+
+    scorer = hf_v4.DeepseekV4IndexerScorer
+    original = scorer.forward
+
+    def forward(self, q, keys, hidden):
+        scores = original(self, q, keys, hidden)
+        return scores - torch.arange(scores.shape[-1], dtype=scores.dtype) * 1e-30
+
+    scorer.forward = forward
+    try:
+        yield
+    finally:
+        scorer.forward = original

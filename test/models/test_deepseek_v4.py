@@ -9,7 +9,6 @@ score gap, so it changes nothing but the order of exact ties.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -19,7 +18,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models_zoo import BLOCK, dequantize, hf_sequence_logprobs, quantize, random_prompts
+from models_zoo import (
+    BLOCK,
+    dequantize,
+    earlier_entry_wins,
+    hf_sequence_logprobs,
+    quantize,
+    random_prompts,
+)
 from specserve import Engine
 from specserve.cache.block_pool import cache_groups
 from specserve.config import ModelConfig
@@ -38,26 +44,6 @@ def v4_path(tmp_path_factory) -> str:
     return make_tiny_model(
         str(tmp_path_factory.mktemp("v4") / "v4"), arch="deepseek_v4", num_layers=5
     )
-
-
-@contextlib.contextmanager
-def earlier_entry_wins():
-    """transformers' indexer with our tie rule: a perturbation far below any
-    real score gap that orders exact ties by entry index."""
-    import transformers.models.deepseek_v4.modeling_deepseek_v4 as hf_v4
-
-    scorer = hf_v4.DeepseekV4IndexerScorer
-    original = scorer.forward
-
-    def forward(self, q, keys, hidden):
-        scores = original(self, q, keys, hidden)
-        return scores - torch.arange(scores.shape[-1], dtype=scores.dtype) * 1e-30
-
-    scorer.forward = forward
-    try:
-        yield
-    finally:
-        scorer.forward = original
 
 
 @pytest.fixture(scope="module")

@@ -141,10 +141,11 @@ class Engine:
     # ---- introspection ------------------------------------------------------
 
     def free_pages(self) -> int:
-        return self.core.block_pool.free_pages()
+        """Free KV pages, over every cache group (DeepSeek-V4's entry pools too)."""
+        return sum(pool.free_pages() for pool in self.core.pools)
 
     def total_pages(self) -> int:
-        return self.core.block_pool.total_pages()
+        return sum(pool.total_pages() for pool in self.core.pools)
 
     def num_active_requests(self) -> int:
         with self._lock:

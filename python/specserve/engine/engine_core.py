@@ -182,6 +182,11 @@ class EngineCore:
             self.spec.stats = SpecStats()
 
     @property
+    def pools(self) -> list[BlockPool]:
+        """The page allocator of every cache group, group 0 first."""
+        return [self.block_pool] + [pool for pool, _ in self.entry_pools]
+
+    @property
     def capacity_tokens(self) -> int:
         """The longest a request may grow."""
         return self.runner.capacity_tokens
