@@ -114,11 +114,10 @@ class ModelConfig:
         if arch == "DeepseekV4ForCausalLM" or cfg.get("model_type") == "deepseek_v4":
             from specserve.models.deepseek_v4_config import parse_deepseek_v4
 
-            need("n_routed_experts")
-            need("num_experts_per_tok")
-            need("num_hidden_layers")
-            v4 = parse_deepseek_v4(cfg, int(head_dim), source)
+            for key in ("num_hidden_layers", "n_routed_experts", "num_experts_per_tok"):
+                need(key)
             cfg = {**cfg, "intermediate_size": need("moe_intermediate_size")}
+            v4 = parse_deepseek_v4(cfg, int(head_dim), source)
         elif cfg.get("use_sliding_window") or any(
             t != "full_attention" for t in cfg.get("layer_types") or []
         ):

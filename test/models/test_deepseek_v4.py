@@ -284,6 +284,7 @@ def test_legacy_deepseek_config_fields() -> None:
         ({"compress_rates": {"heavily_compressed_attention": 4}}, "compress_rates must be"),
         ({"num_key_value_heads": 2}, "num_key_value_heads must be 1"),
         ({"o_groups": 3}, r"o_groups \(3\) must divide"),
+        ({"moe_intermediate_size": None}, "missing required field 'moe_intermediate_size'"),
     ],
 )
 def test_bad_configs_are_named(change, match) -> None:
