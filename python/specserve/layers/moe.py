@@ -10,9 +10,14 @@ never over tokens.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from specserve.models.deepseek_v4_config import DeepseekV4Config
 
 
 def score(logits: torch.Tensor, func: str) -> torch.Tensor:
@@ -48,7 +53,7 @@ class Router(nn.Module):
     """Checkpoint ``gate.weight`` and, by kind, ``gate.bias`` (the score
     correction of learned routing) or ``gate.tid2eid`` (hash routing)."""
 
-    def __init__(self, hidden: int, cfg, vocab_size: int, hashed: bool) -> None:
+    def __init__(self, hidden: int, cfg: DeepseekV4Config, vocab_size: int, hashed: bool) -> None:
         super().__init__()
         e = cfg.n_routed_experts
         self.top_k, self.func, self.scaling = (
@@ -120,7 +125,7 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden: int, cfg, vocab_size: int, hashed: bool) -> None:
+    def __init__(self, hidden: int, cfg: DeepseekV4Config, vocab_size: int, hashed: bool) -> None:
         super().__init__()
         inter = cfg.moe_intermediate_size
         self.gate = Router(hidden, cfg, vocab_size, hashed)
