@@ -99,8 +99,18 @@ def _train_dspark(args: Any) -> int:
 
 
 def _make_tiny_dspark(args: Any) -> int:
-    from specserve.tools.tiny_model import make_tiny_dspark
+    from specserve.config import ModelConfig
+    from specserve.tools.tiny_model import make_tiny_dspark, make_tiny_dspark_v4
 
+    if args.bundle:
+        if ModelConfig.from_path(args.target).deepseek_v4 is None:
+            raise ValueError("--bundle: only DeepSeek-V4 targets carry their drafter inside")
+        path = make_tiny_dspark_v4(
+            args.path, args.target, block_size=args.block_size,
+            markov_rank=args.markov_rank or 8, bundle=True, seed=args.seed,
+        )  # fmt: skip
+        print(f"wrote {args.target} with a random DSpark drafter inside it to {path}")
+        return 0
     path = make_tiny_dspark(
         args.path,
         args.target,

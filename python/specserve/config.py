@@ -390,6 +390,9 @@ class EngineConfig:
                 if key not in names or key in SUB_CONFIGS:
                     raise ValueError(f"unknown engine argument {key!r}")
                 top[key] = value
+        dspark = str(spec.get("algorithm") or "").upper() == "DSPARK"
+        if dspark and not spec.get("draft_model_path") and bundles_drafter(model_path):
+            spec["draft_model_path"] = model_path  # its own mtp.* drafter
         return cls(
             model_path=model_path,
             cache=CacheConfig(**sub[CacheConfig]),
@@ -398,6 +401,17 @@ class EngineConfig:
             spec=SpecConfig(**spec),
             **top,
         )
+
+
+def bundles_drafter(model_path: str) -> bool:
+    """Whether a checkpoint carries its own DSpark drafter (DeepSeek-V4's
+    ``dspark_*`` config fields with ``mtp.*`` weights)."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "dspark_target_layer_ids" in cfg
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")

@@ -301,8 +301,6 @@ def test_bad_configs_are_named(change, match) -> None:
 
 
 def test_what_v4_does_not_serve_yet_is_named(v4_path) -> None:
-    with pytest.raises(ValueError, match="speculative_algorithm: DSPARK does not serve"):
-        engine(v4_path, speculative_algorithm="DSPARK", speculative_draft_model_path=v4_path)
     with pytest.raises(ValueError, match="attention_backend: triton has no kernel"):
         engine(v4_path, attention_backend="triton")
     with pytest.raises(ValueError, match="enable_torch_compile: not supported"):

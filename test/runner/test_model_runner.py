@@ -72,7 +72,7 @@ def test_activation_reserve_grows_with_what_one_step_can_carry() -> None:
 
 def test_every_model_is_loaded_before_the_kv_pools_are_sized(tmp_path, monkeypatch) -> None:
     from specserve import Engine
-    from specserve.speculative import dspark
+    from specserve.speculative import drafter_loader as dspark
     from specserve.tools.tiny_model import make_tiny_dspark
 
     drafter = make_tiny_dspark(str(tmp_path / "d"), model_path("qwen3"))

@@ -43,6 +43,18 @@ def cache_groups(mc: ModelConfig) -> tuple[CacheGroup, ...]:
     return (CacheGroup(1, v4.retain),) + tuple(CacheGroup(v4.rate(k)) for k in v4.compressed_kinds)
 
 
+def release_behind(pages: list[int], position: int, pool: BlockPool) -> None:
+    """Returns to ``pool`` the pages wholly before ``position`` (marked -1 in
+    ``pages``: positions keep their pages), as a sliding window leaves them."""
+    i = min(max(0, position) // pool.page_size, len(pages)) - 1
+    freed = []
+    while i >= 0 and pages[i] >= 0:
+        freed.append(pages[i])
+        pages[i] = -1
+        i -= 1
+    pool.release(freed)
+
+
 class BlockPool:
     """Hands out fixed-size KV pages, each to one owner until it is released."""
 

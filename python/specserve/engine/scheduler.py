@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from specserve.cache.block_pool import BlockPool
+from specserve.cache.block_pool import BlockPool, release_behind
 from specserve.config import SchedulerConfig
 from specserve.core import BatchEntry, FinishReason, Req, ReqStatus, ReqStep, ScheduledBatch
 
@@ -149,17 +149,9 @@ class Scheduler:
 
     def _slide(self, req: Req) -> None:
         """Returns the main pages wholly behind the last ``retain`` positions
-        before the next one to compute (marked -1: positions keep their pages)."""
-        if self.retain is None:
-            return
-        end = max(0, req.num_computed - self.retain) // self.block_pool.page_size
-        i = min(end, len(req.page_table)) - 1
-        freed = []
-        while i >= 0 and req.page_table[i] >= 0:
-            freed.append(req.page_table[i])
-            req.page_table[i] = -1
-            i -= 1
-        self.block_pool.release(freed)
+        before the next one to compute."""
+        if self.retain is not None:
+            release_behind(req.page_table, req.num_computed - self.retain, self.block_pool)
 
     def _preempt(self, req: Req) -> None:
         self.running.remove(req)

@@ -147,12 +147,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``at``: each RoPE's cos/sin at this forward's positions."""
         t, rope = x.shape[0], self.rope
-        q_res = self.q_norm.forward(F.linear(x, self.wq_a.weight))  # [T, q_lora]
-        q = F.linear(q_res, self.wq_b.weight).view(t, self.heads, self.head_dim)
-        q = rope.rotate(unweighted_rms_norm(q, self.eps), at[rope])
-        kv = self.norm.forward(F.linear(x, self.wkv.weight))
-        kv = rope.rotate(kv[:, None, :], at[rope])[:, 0]  # [T, D]
-        backend.store_window(layer, kv, meta)
+        q, q_res = self.query(x, at[rope])
+        backend.store_window(layer, self.key(x, at[rope]), meta)
         entries = None
         if self.compressor is not None:
             self.compressor(x, layer, compress_rope, backend, meta)
@@ -165,7 +161,26 @@ class Attention(nn.Module):
                 w = F.linear(x.float(), ix.weights_proj.weight.float()) * ix.heads**-0.5
                 entries = backend.select(layer, qi, w, self.rate, ix.top_k, meta)
         o = backend.attend(layer, q, self.attn_sink, self.head_dim**-0.5, meta, entries)
-        o = rope.rotate(o, at[rope], inverse=True).reshape(t, self.groups, -1)  # [T, G, H*D/G]
+        return self.output(o, at[rope])
+
+    def query(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated queries ``[T, H, D]`` and the low-rank query ``[T, q_lora]``."""
+        q_res = self.q_norm.forward(F.linear(x, self.wq_a.weight))
+        q = F.linear(q_res, self.wq_b.weight).view(x.shape[0], self.heads, self.head_dim)
+        return self.rope.rotate(unweighted_rms_norm(q, self.eps), cos_sin), q_res
+
+    def key(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The shared key (= value) ``[T, D]``, normed and rotated."""
+        kv = self.norm.forward(F.linear(x, self.wkv.weight))
+        return self.rope.rotate(kv[:, None, :], cos_sin)[:, 0]
+
+    def output(self, o: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Attention output ``[T, H, D]`` rotated back, through the grouped
+        low-rank projection -> ``[T, d_model]``."""
+        t = o.shape[0]
+        o = self.rope.rotate(o, cos_sin, inverse=True).reshape(t, self.groups, -1)
         wa = self.wo_a.weight.view(self.groups, -1, o.shape[-1])  # [G, r, H * D / G]
         grouped = torch.einsum("tgi,gri->tgr", o, wa).reshape(t, -1)
         return F.linear(grouped, self.wo_b.weight)
@@ -261,10 +276,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         backend: CompressedAttentionBackend,
         capture_layer_ids: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        if capture_layer_ids:
-            raise ValueError("DeepseekV4ForCausalLM: capturing hidden states is not supported")
+        """Final-normed hidden states ``[T, d]`` and, for ``capture_layer_ids``,
+        each chosen layer's output streams averaged ``[T, d]``."""
         h = self.embed(input_ids)
         streams = h[:, None, :].expand(-1, self.config.deepseek_v4.hc_mult, -1).contiguous()
+        captured = [h] if -1 in capture_layer_ids else []
         compress_rope = self.ropes["compress"]
         at = {rope: rope.at(meta.positions) for rope in self.ropes.values()}
         for i, block in enumerate(self.layers):
@@ -274,7 +290,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             x, post, comb = block.hc_ffn(streams)
             out = block.ffn(block.ffn_norm.forward(x), input_ids)
             streams = expand(streams, out, post, comb)
-        return self.norm.forward(self.hc_head(streams)), []
+            if i in capture_layer_ids:
+                # A layer's state, for a drafter: its output streams averaged.
+                captured.append(streams.mean(dim=1))
+        return self.norm.forward(self.hc_head(streams)), captured
 
     def compile_dense(self) -> None:
         raise ValueError("enable_torch_compile: not supported for DeepseekV4ForCausalLM yet")

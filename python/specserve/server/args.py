@@ -345,6 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("--markov-rank", type=int, default=8, help="0: a DFlash drafter")
     draft.add_argument("--markov-head-type", choices=("vanilla", "gated", "rnn"), default="vanilla")
     draft.add_argument("--block-size", type=int, default=7)
+    draft.add_argument(
+        "--bundle",
+        action="store_true",
+        help="DeepSeek-V4 targets: write a copy of the target with the drafter inside it",
+    )
     draft.add_argument("--seed", type=int, default=0)
 
     tiny = sub.add_parser(

@@ -24,31 +24,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.cache.block_pool import BlockPool, page_slots
+from specserve.cache.block_pool import BlockPool, page_slots, release_behind
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig
 from specserve.core import Req
 from specserve.host import HostStaging, upload
 from specserve.layers.attention import AttentionMetadata, make_attention_backend
-from specserve.models.loader import checkpoint_files, load_state, materialize
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.base import DraftProposal, Proposer
 from specserve.speculative.confidence import SpsTable, budget_lengths, profile_sps, static_lengths
-from specserve.speculative.dspark_model import Attend, DSparkConfig, DSparkDraftModel
+from specserve.speculative.drafter_loader import LoadedDrafter, load_drafter, scratch_pages
+from specserve.speculative.dspark_model import Attend, BlockDrafter
+from specserve.speculative.dspark_v4_model import DSparkV4Config
 
 logger = logging.getLogger(__name__)
 
 # Cached positions before each chain when profiling verify rounds.
 PROFILE_PREFIX = 256
-
-
-@dataclass
-class LoadedDrafter:
-    model: DSparkDraftModel
-    config: DSparkConfig
-    block_size: int
-    kv_bytes_per_page: int  # a page of its KV pool (the target's page size)
-    activation_bytes: int  # its share of the largest step (see ModelRunner.allocate_kv)
 
 
 @dataclass
@@ -62,7 +54,7 @@ class DSparkState:
 class DSparkProposer(Proposer):
     def __init__(
         self,
-        model: DSparkDraftModel,
+        model: BlockDrafter,
         block_size: int,
         kv_pool: KVPool,
         block_pool: BlockPool,
@@ -76,9 +68,11 @@ class DSparkProposer(Proposer):
         self.capture_layer_ids = model.config.target_layer_ids
         self.kv_pool = kv_pool
         self.block_pool = block_pool
-        device = model.fc.weight.device
-        heads = model.config.num_attention_heads
-        self.attn_backend = make_attention_backend(attention_backend, kv_pool, heads, device)
+        device = model.feature_weight.device
+        self.attn_backend = None
+        if model.window is None:  # a windowed drafter attends on its own (window_attend)
+            heads = model.config.num_attention_heads
+            self.attn_backend = make_attention_backend(attention_backend, kv_pool, heads, device)
         self.threshold = threshold
         self.sps = sps  # budget mode when set
         self.generator = torch.Generator(device=device)
@@ -88,49 +82,28 @@ class DSparkProposer(Proposer):
     # ---- construction ----------------------------------------------------------
 
     @classmethod
-    def load(cls, config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
-        """The drafter's weights, checked against the target, before the KV
-        pools are sized (they count in the memory budget like the target's)."""
-        spec = config.spec
-        assert spec.draft_model_path is not None
-        dcfg = DSparkConfig.from_path(spec.draft_model_path)
-        tcfg = runner.model_config
-        _check_compatible(dcfg, tcfg.hidden_size, tcfg.vocab_size, tcfg.num_hidden_layers)
-        block = dspark_block_size(spec.block_size, spec.num_draft_tokens, dcfg.block_size)
-        if block > dcfg.block_size:
-            raise ValueError(
-                f"speculative_dspark_block_size: {block} exceeds the drafter's block size {dcfg.block_size}"
-            )
-        if block < dcfg.block_size:
-            logger.warning(
-                "drafting blocks of %d with a drafter trained on blocks of %d: the block attends "
-                "to itself without a causal mask, so its drafts differ from a full block's",
-                block, dcfg.block_size,
-            )  # fmt: skip
-        dflash = spec.algorithm == "DFLASH"
-        model = load_draft_model(spec.draft_model_path, dcfg, runner, use_heads=not dflash)
-        page = KVPool.bytes_per_page(
-            dcfg.num_hidden_layers, runner.page_size, dcfg.num_key_value_heads, dcfg.head_dim,
-            runner.dtype,
-        )  # fmt: skip
-        return LoadedDrafter(
-            model, dcfg, block, page, _activation_bytes(config, dcfg, block, runner, page)
-        )
-
-    @classmethod
     def from_config(
         cls, config: EngineConfig, runner: ModelRunner, loaded: LoadedDrafter | None = None
     ) -> DSparkProposer:
         """The proposer over ``runner``'s allocated pool size; ``loaded``: the
         drafter ``load`` returned (loaded now if not given)."""
         spec = config.spec
-        loaded = loaded or cls.load(config, runner)
+        loaded = loaded or load_drafter(config, runner)
         model, dcfg, block = loaded.model, loaded.config, loaded.block_size
         pages = runner.num_pages + scratch_pages(config, block)
+        if isinstance(dcfg, DSparkV4Config):
+            # Every running request's window, beside the target's window pages.
+            pages += scratch_pages(config, model.window)
+            layers, kv_heads, head_dim = dcfg.num_stages, 1, runner.model_config.head_dim
+        else:
+            layers, kv_heads, head_dim = (
+                dcfg.num_hidden_layers,
+                dcfg.num_key_value_heads,
+                dcfg.head_dim,
+            )
         kv = KVPool(
-            dcfg.num_hidden_layers, pages, runner.page_size,
-            dcfg.num_key_value_heads, dcfg.head_dim, runner.dtype, runner.device,
-        )  # fmt: skip
+            layers, pages, runner.page_size, kv_heads, head_dim, runner.dtype, runner.device
+        )
         blocks = BlockPool(pages, runner.page_size)
         sps = None
         if spec.schedule == "budget" and not model.use_confidence:
@@ -161,7 +134,7 @@ class DSparkProposer(Proposer):
     def release(self, req: Req) -> None:
         st = req.draft_state
         if st is not None:
-            self.block_pool.release(st.pages)
+            self.block_pool.release([p for p in st.pages if p >= 0])
         req.draft_state = None
 
     def _flush(self, reqs: Sequence[Req]) -> None:
@@ -178,8 +151,8 @@ class DSparkProposer(Proposer):
             feats.extend(st.pending)
             positions.extend(range(st.ctx_len, end))
             slots.extend(page_slots(st.pages, st.ctx_len, end, ps))
-        device = self.model.fc.weight.device
-        features = torch.cat(feats).to(self.model.fc.weight.dtype)
+        device = self.model.feature_weight.device
+        features = torch.cat(feats).to(self.model.feature_weight.dtype)
         pos_t = torch.tensor(positions, device=device)
         slot_t = torch.tensor(slots, device=device)
         for layer, (k, v) in enumerate(self.model.context_kv(features, pos_t)):
@@ -188,6 +161,12 @@ class DSparkProposer(Proposer):
         for r in todo:
             st = r.draft_state
             st.ctx_len, st.pending, st.pending_len = st.ctx_len + st.pending_len, [], 0
+            self._slide(st)
+
+    def _slide(self, st: DSparkState) -> None:
+        """A windowed drafter reads only the last ``window`` context positions."""
+        if self.model.window is not None:
+            release_behind(st.pages, st.ctx_len - self.model.window, self.block_pool)
 
     def _cover(self, st: DSparkState, length: int) -> None:
         """Pages for ``st``'s positions ``[0, length)``."""
@@ -212,7 +191,7 @@ class DSparkProposer(Proposer):
             positions.extend(range(st.ctx_len, end))
             slots.extend(page_slots(st.pages, st.ctx_len, end, ps))
             kv_lens.append(end)
-        device = self.model.fc.weight.device
+        device = self.model.feature_weight.device
         return AttentionMetadata(
             positions=upload(positions, device),
             slot_mapping=upload(slots, device),
@@ -237,6 +216,24 @@ class DSparkProposer(Proposer):
 
         return attend
 
+    def _window_attend(self, reqs: Sequence[Req]) -> Attend:
+        """Each block over the last ``window`` context positions before its
+        anchor, gathered from the draft pool (padding masked)."""
+        w, ps = self.model.window, self.block_pool.page_size
+        slots, bias = [], []
+        for r in reqs:
+            st = r.draft_state
+            lo = max(0, st.ctx_len - w)
+            row = page_slots(st.pages, lo, st.ctx_len, ps)
+            pad = w - len(row)
+            slots.append([0] * pad + row)
+            bias.append([float("-inf")] * pad + [0.0] * len(row))
+        device = self.model.feature_weight.device
+        index = upload(slots, device)  # [R, W]
+        ctx_bias = upload(bias, device, torch.float32)
+        ctx = [self.kv_pool.k[layer][index][:, :, 0] for layer in range(len(self.kv_pool.k))]
+        return self.model.window_attend(ctx, ctx_bias)
+
     # ---- proposing ---------------------------------------------------------------
 
     @torch.inference_mode()
@@ -246,8 +243,11 @@ class DSparkProposer(Proposer):
             assert r.draft_state is not None and r.draft_state.ctx_len == r.seq_len - 1, (
                 "the draft context must cover every position before the anchor"
             )
-        device = self.model.fc.weight.device
-        attend = self._paged_attend(self._block_metadata(reqs))
+        device = self.model.feature_weight.device
+        if self.model.window is not None:
+            attend = self._window_attend(reqs)
+        else:
+            attend = self._paged_attend(self._block_metadata(reqs))
         anchors = torch.tensor([r.output_ids[-1] for r in reqs], device=device)
         starts = torch.tensor([r.seq_len - 1 for r in reqs], device=device)
         hidden = self.model.block_hidden(anchors, starts, attend, self.max_drafts)
@@ -280,96 +280,6 @@ class DSparkProposer(Proposer):
         if self.sps is not None:
             return budget_lengths(proposal.confidence, self.sps)
         return static_lengths(proposal.confidence, self.threshold)
-
-
-def dspark_block_size(block_flag: int | None, chain_flag: int | None, trained: int) -> int:
-    """The block drafted per round: ``--speculative-dspark-block-size``, or
-    ``--speculative-num-draft-tokens`` less the anchor (SGLang's name for the
-    verify chain), or the drafter's own; the two flags must agree when both
-    are given."""
-    from_chain = None if chain_flag is None else chain_flag - 1
-    if block_flag is not None and from_chain is not None and block_flag != from_chain:
-        raise ValueError(
-            f"speculative_num_draft_tokens ({chain_flag}) must be "
-            f"speculative_dspark_block_size + 1 = {block_flag + 1}: a verify chain is the "
-            f"anchor plus one block of drafts"
-        )
-    return block_flag or from_chain or trained
-
-
-def _check_compatible(dcfg: DSparkConfig, hidden: int, vocab: int, num_layers: int) -> None:
-    if dcfg.hidden_size != hidden or dcfg.vocab_size != vocab:
-        raise ValueError(
-            f"speculative_draft_model_path: the drafter (hidden {dcfg.hidden_size}, vocab "
-            f"{dcfg.vocab_size}) does not fit the target (hidden {hidden}, vocab {vocab})"
-        )
-    if dcfg.num_target_layers != num_layers:
-        raise ValueError(
-            f"speculative_draft_model_path: the drafter was made for a {dcfg.num_target_layers}-layer "
-            f"target, this one has {num_layers}"
-        )
-    ids = dcfg.target_layer_ids
-    if (
-        not ids
-        or any(b <= a for a, b in zip(ids, ids[1:]))
-        or ids[0] < -1
-        or ids[-1] > num_layers - 2
-    ):
-        raise ValueError(
-            f"speculative_draft_model_path: target_layer_ids {list(ids)} must be strictly increasing "
-            f"in [-1, {num_layers - 2}] (the last layer's output is normed and cannot be used)"
-        )
-
-
-def load_draft_model(
-    path: str, dcfg: DSparkConfig, runner: ModelRunner, use_heads: bool = True
-) -> DSparkDraftModel:
-    with torch.device("meta"):
-        model = DSparkDraftModel(
-            dcfg,
-            use_markov=use_heads,
-            use_confidence=use_heads,
-            context_length=runner.context_length,
-        )
-    model = materialize(model, runner.dtype, runner.device)
-    target = runner.model
-    skip: set[str] = set()
-    # The drafter's embedding and lm_head are copies of the target's: share them.
-    if model.embed_tokens.weight.shape == target.model.embed_tokens.weight.shape:
-        model.embed_tokens = target.model.embed_tokens
-        skip.add("embed_tokens.weight")
-    if model.lm_head.weight.shape == target.lm_head.weight.shape:
-        model.lm_head = target.lm_head
-        skip.add("lm_head.weight")
-    load_state(
-        model, checkpoint_files(path), f"{dcfg.num_hidden_layers}-layer DSpark drafter", skip
-    )
-    model.post_load()
-    return model.requires_grad_(False).eval()
-
-
-def scratch_pages(config: EngineConfig, block: int) -> int:
-    """Draft pages beyond the target's: a block is written past its request's
-    context, up to ``block`` positions further than the target has reserved."""
-    ps = config.cache.page_size
-    return config.scheduler.max_running_requests * -(-block // ps)
-
-
-def _activation_bytes(
-    config: EngineConfig, dcfg: DSparkConfig, block: int, runner: ModelRunner, page_bytes: int
-) -> int:
-    """An upper estimate of a drafting step: every running request's block
-    logits (float32, with the probabilities and the Markov-corrected copies),
-    the draft pool's scratch pages, and with the torch attention backend its
-    context K/V gathered for one draft layer at full context."""
-    r = config.scheduler.max_running_requests
-    elem = runner.dtype.itemsize
-    logits = r * block * dcfg.vocab_size * 4 * 4
-    scratch = scratch_pages(config, block) * page_bytes
-    context = 0
-    if config.attention_backend == "torch_native":
-        context = 2 * r * runner.context_length * dcfg.num_key_value_heads * dcfg.head_dim * elem
-    return int(1.25 * (logits + context)) + scratch
 
 
 def profile_runner(runner: ModelRunner, block: int, max_running: int) -> SpsTable:

@@ -28,7 +28,7 @@ from specserve.layers.activation import gated_act
 from specserve.layers.linear import FusedLinears, LogitsHead, k_major_
 from specserve.layers.norm import RMSNorm, rms_norm
 from specserve.layers.rotary import RotaryEmbedding
-from specserve.sampling.sampler import exponential_race
+from specserve.speculative.block_drafter import BlockDrafter, ConfidenceHead, MarkovHead
 
 ARCHITECTURE = "Qwen3DSparkModel"
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
@@ -101,53 +101,6 @@ class DSparkConfig:
             confidence_head_with_markov=with_markov,
             attention_bias=base.attention_bias,
         )
-
-
-class MarkovHead(nn.Module):
-    """The bigram-style correction ``B_k(x_{k-1})`` added to slot k's logits."""
-
-    def __init__(self, cfg: DSparkConfig) -> None:
-        super().__init__()
-        r, d = cfg.markov_rank, cfg.hidden_size
-        self.kind = cfg.markov_head_type
-        self.rank = r
-        self.markov_w1 = nn.Embedding(cfg.vocab_size, r)
-        self.markov_w2 = nn.Linear(r, cfg.vocab_size, bias=False)
-        if self.kind == "gated":
-            self.gate_proj = nn.Linear(d + r, r)
-        elif self.kind == "rnn":
-            self.joint_proj = nn.Linear(2 * r + d, 3 * r)
-
-    def init_state(self, n: int, like: torch.Tensor) -> torch.Tensor | None:
-        return like.new_zeros(n, self.rank) if self.kind == "rnn" else None
-
-    def step(
-        self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """``prev [n]`` token before the slot, ``h [n, d]`` the slot's output ->
-        logit correction ``[n, V]``, the next state, and ``W1[prev] [n, r]``."""
-        # F.* on the weights: module calls cost more than these small ops.
-        w2 = self.markov_w2.weight
-        e = F.embedding(prev, self.markov_w1.weight)  # [n, r]
-        if self.kind == "vanilla":
-            return F.linear(e, w2), state, e
-        if self.kind == "gated":
-            g = torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1)))
-            return F.linear(g * e, w2), state, e
-        assert state is not None
-        gate, cand, out = self.joint_proj(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)
-        keep = torch.sigmoid(gate)
-        state = keep * state + (1 - keep) * torch.tanh(cand)
-        return F.linear(torch.tanh(out), w2), state, e
-
-
-class ConfidenceHead(nn.Module):
-    def __init__(self, in_features: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(in_features, 1)
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.proj(features).squeeze(-1).float())
 
 
 class DraftAttention(nn.Module):
@@ -265,7 +218,7 @@ class DraftMLP(nn.Module):
         return F.linear(gated_act(self.gate_up(x), F.silu), self.down_proj.weight)
 
 
-class DSparkDraftModel(nn.Module):
+class DSparkDraftModel(BlockDrafter):
     def __init__(
         self,
         cfg: DSparkConfig,
@@ -298,6 +251,13 @@ class DSparkDraftModel(nn.Module):
             cfg.max_position_embeddings,
             extra_positions=longer + cfg.block_size,
         )
+
+    @property
+    def feature_weight(self) -> torch.Tensor:
+        return self.fc.weight
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
 
     def post_load(self) -> None:
         """After the weights are in: the vocabulary-wide weights K-major on the
@@ -337,60 +297,6 @@ class DSparkDraftModel(nn.Module):
             x = x + layer.self_attn(layer.input_layernorm(x), positions, i, attend, self.rotary)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
-
-    def draft(
-        self,
-        hidden: torch.Tensor,  # [R, gamma, d]
-        anchors: torch.Tensor,  # [R]
-        temperatures: torch.Tensor,  # [R]; 0 = greedy
-        noise: list[torch.Generator | None] | None = None,
-        shared: torch.Generator | None = None,
-        with_confidence: bool = True,
-        greedy_rows: list[bool] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Walks the block left to right: drafts ``[R, gamma]``, the (Markov
-        corrected, temperature-scaled) probabilities they were drawn from
-        ``[R, gamma, V]`` (one-hot for greedy rows; None when every row is
-        greedy) and confidences ``[R, gamma]`` (None without the head).
-        ``greedy_rows``: which rows are greedy, as the host knows it (read
-        off ``temperatures`` otherwise, at the cost of a device sync)."""
-        base = self.lm_head(hidden)  # [R, G, V] float32
-        r, g, vocab = base.shape
-        prev = anchors
-        state = self.markov_head.init_state(r, hidden) if self.use_markov else None
-        tokens, probs, embeds = [], [], []
-        greedy = temperatures <= 0
-        if greedy_rows is None:
-            greedy_rows = greedy.tolist()  # host read: for callers that do not say (tests)
-        sampled_rows = [i for i, is_greedy in enumerate(greedy_rows) if not is_greedy]
-        all_greedy = not sampled_rows
-        for k in range(g):
-            logits = base[:, k]
-            if self.use_markov:
-                bias, state, prev_embed = self.markov_head.step(prev, hidden[:, k], state)
-                logits = logits + bias.float()
-                embeds.append(prev_embed)
-            if all_greedy:  # no distribution to keep: one-hot drafts
-                choice = logits.argmax(dim=-1)
-            else:
-                p = torch.softmax(logits / torch.where(greedy, 1.0, temperatures)[:, None], dim=-1)
-                choice = _draw(p, logits, sampled_rows, noise, shared)
-                probs.append(torch.where(greedy[:, None], F.one_hot(choice, vocab).float(), p))
-            tokens.append(choice)
-            prev = choice
-        conf = self._confidence(hidden, embeds) if with_confidence else None
-        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, conf
-
-    def _confidence(self, hidden: torch.Tensor, embeds: list[torch.Tensor]) -> torch.Tensor | None:
-        """Every slot's confidence at once ``[..., gamma]`` (None without the
-        head): from the slot's output and, with ``confidence_head_with_markov``,
-        ``W1[prev]`` of the token before it (``embeds``, one ``[..., r]`` per slot)."""
-        if not self.use_confidence:
-            return None
-        feats = hidden
-        if self.config.confidence_head_with_markov and embeds:
-            feats = torch.cat([hidden, torch.stack(embeds, dim=-2)], dim=-1)
-        return self.confidence_head(feats)
 
     # ---- training -----------------------------------------------------------
 
@@ -458,18 +364,3 @@ class DSparkDraftModel(nn.Module):
         anchors = torch.tensor([anchor], device=features.device)
         starts = torch.tensor([p], device=features.device)
         return self.block_hidden(anchors, starts, dense_attend(ctx, bias), block_size)[0]
-
-
-def _draw(
-    probs: torch.Tensor,
-    logits: torch.Tensor,
-    sampled: list[int],
-    noise: list[torch.Generator | None] | None,
-    shared: torch.Generator | None,
-) -> torch.Tensor:
-    """Argmax for greedy rows; the sampler's exponential race (seeded rows
-    from their own generator) for the ``sampled`` ones."""
-    out = logits.argmax(dim=-1)
-    generators = [None if noise is None else noise[i] for i in sampled]
-    out[sampled] = exponential_race(probs[sampled], generators, shared)
-    return out

@@ -46,15 +46,9 @@ def load_drafter(config: EngineConfig, runner: ModelRunner) -> Any:
     pools are sized; None for algorithms without one."""
     if config.spec.algorithm not in ("DSPARK", "DFLASH"):
         return None
-    if runner.model_config.deepseek_v4 is not None:
-        raise ValueError(
-            f"speculative_algorithm: {config.spec.algorithm} does not serve a "
-            "DeepseekV4ForCausalLM target yet (its drafter reads one hidden state per "
-            "layer, V4 keeps mHC streams); NGRAM does"
-        )
-    from specserve.speculative.dspark import DSparkProposer
+    from specserve.speculative.drafter_loader import load_drafter as load
 
-    return DSparkProposer.load(config, runner)
+    return load(config, runner)
 
 
 def build_proposer(

@@ -214,7 +214,8 @@ def make_tiny_dspark(
     seed: int = 0,
 ) -> str:
     """A DeepSpec-format DSpark drafter with random weights for ``target_path``
-    (``markov_rank=0`` and no confidence head: a DFlash drafter)."""
+    (``markov_rank=0`` and no confidence head: a DFlash drafter). A
+    DeepSeek-V4 target gets its own drafter format (``make_tiny_dspark_v4``)."""
     import json
 
     import torch
@@ -224,6 +225,11 @@ def make_tiny_dspark(
     from specserve.speculative.dspark_model import ARCHITECTURE, DSparkConfig, DSparkDraftModel
 
     target = ModelConfig.from_path(target_path)
+    if target.deepseek_v4 is not None:
+        return make_tiny_dspark_v4(
+            path, target_path, block_size=block_size, markov_rank=markov_rank or 8,
+            target_layer_ids=target_layer_ids, init_std=init_std, seed=seed,
+        )  # fmt: skip
     n = target.num_hidden_layers
     ids = list(target_layer_ids if target_layer_ids is not None else range(max(0, n - 1)))
     heads = target.num_attention_heads
@@ -271,6 +277,86 @@ def make_tiny_dspark(
     state["lm_head.weight"] = tgt.get("lm_head.weight", tgt["model.embed_tokens.weight"]).clone()
     os.makedirs(path, exist_ok=True)
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return path
+
+
+def make_tiny_dspark_v4(
+    path: str,
+    target_path: str,
+    *,
+    block_size: int = 4,
+    markov_rank: int = 8,
+    target_layer_ids: tuple[int, ...] | None = None,
+    bundle: bool = False,
+    init_std: float = 0.08,
+    seed: int = 0,
+) -> str:
+    """A DeepSeek-V4 DSpark drafter with random weights for ``target_path``
+    in the published layout: ``dspark_*`` config fields and ``mtp.{stage}.*``
+    weights in DeepSeek's names. ``bundle``: ``path`` is a copy of the target
+    with the drafter inside it; otherwise a drafter-only directory."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from specserve.config import ModelConfig
+    from specserve.speculative.dspark_v4_model import DSparkV4Config, DSparkV4DraftModel
+
+    with open(os.path.join(target_path, "config.json")) as f:
+        cfg = json.load(f)
+    n = int(cfg["num_hidden_layers"])
+    ids = list(target_layer_ids if target_layer_ids is not None else range(max(0, n - 2), n))
+    cfg.update(
+        dspark_block_size=block_size,
+        dspark_target_layer_ids=ids,
+        dspark_markov_rank=markov_rank,
+        dspark_noise_token_id=3,  # the tiny tokenizer's <|mask|>
+        enable_confidence_head=True,
+    )
+    target = ModelConfig.from_dict(cfg)
+    dcfg = DSparkV4Config.from_dict(cfg, target, "config.json")
+    torch.manual_seed(seed)
+    model = DSparkV4DraftModel(target, dcfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            # Sinks, mixing biases and routing corrections off zero, so that
+            # every one of them changes the drafts.
+            if name.endswith("norm.weight") or leaf == "scale":
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif leaf in ("attn_sink", "base", "bias"):
+                p.normal_(0, 0.5)
+            else:
+                p.normal_(0, init_std)
+    last = dcfg.num_stages - 1
+    state = {}
+    for ours, tensor in model.checkpoint_targets().items():
+        if ours.startswith(("markov_head.", "confidence_head.")):
+            key = f"mtp.{last}.{ours}"
+        else:
+            _, stage, rest = ours.split(".", 2)
+            for site in ("attn", "ffn", "head"):
+                for part in ("fn", "base", "scale"):
+                    rest = rest.replace(f"hc_{site}.{part}", f"hc_{site}_{part}")
+            key = f"mtp.{stage}.{rest}"
+        assert model.checkpoint_key(key) == ours, (key, ours)
+        state[key] = tensor.detach().clone().contiguous()
+    if bundle:
+        shutil.copytree(target_path, path, dirs_exist_ok=True)
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                data = json.load(f)
+            data["weight_map"].update(dict.fromkeys(state, "model-dspark.safetensors"))
+            with open(index, "w") as f:
+                json.dump(data, f, indent=2)
+    os.makedirs(path, exist_ok=True)
+    name = "model-dspark.safetensors" if bundle else "model.safetensors"
+    save_file(state, os.path.join(path, name), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     return path

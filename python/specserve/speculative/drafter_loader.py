@@ -1,0 +1,183 @@
+"""Loads a DSpark / DFlash drafter before the KV pools are sized: its
+weights (checked against the target), its block size, and what its pool
+pages and largest step cost in the memory budget."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specserve.cache.kv_pool import KVPool
+from specserve.config import EngineConfig
+from specserve.models.loader import checkpoint_files, load_state, materialize
+from specserve.runner.model_runner import ModelRunner
+from specserve.speculative.block_drafter import BlockDrafter
+from specserve.speculative.dspark_model import DSparkConfig, DSparkDraftModel
+from specserve.speculative.dspark_v4_model import DSparkV4Config, DSparkV4DraftModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedDrafter:
+    model: BlockDrafter
+    config: DSparkConfig | DSparkV4Config
+    block_size: int
+    kv_bytes_per_page: int  # a page of its KV pool (the target's page size)
+    activation_bytes: int  # its share of the largest step (see ModelRunner.allocate_kv)
+
+
+def load_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
+    """The drafter's weights, checked against the target, before the KV
+    pools are sized (they count in the memory budget like the target's)."""
+    spec = config.spec
+    assert spec.draft_model_path is not None
+    if runner.model_config.deepseek_v4 is not None:
+        return load_v4_drafter(config, runner)
+    dcfg = DSparkConfig.from_path(spec.draft_model_path)
+    tcfg = runner.model_config
+    _check_compatible(dcfg, tcfg.hidden_size, tcfg.vocab_size, tcfg.num_hidden_layers)
+    block = dspark_block_size(spec.block_size, spec.num_draft_tokens, dcfg.block_size)
+    if block > dcfg.block_size:
+        raise ValueError(
+            f"speculative_dspark_block_size: {block} exceeds the drafter's block size {dcfg.block_size}"
+        )
+    if block < dcfg.block_size:
+        logger.warning(
+            "drafting blocks of %d with a drafter trained on blocks of %d: the block attends "
+            "to itself without a causal mask, so its drafts differ from a full block's",
+            block, dcfg.block_size,
+        )  # fmt: skip
+    dflash = spec.algorithm == "DFLASH"
+    model = load_draft_model(spec.draft_model_path, dcfg, runner, use_heads=not dflash)
+    page = KVPool.bytes_per_page(
+        dcfg.num_hidden_layers, runner.page_size, dcfg.num_key_value_heads, dcfg.head_dim,
+        runner.dtype,
+    )  # fmt: skip
+    return LoadedDrafter(
+        model, dcfg, block, page, _activation_bytes(config, dcfg, block, runner, page)
+    )
+
+
+def dspark_block_size(block_flag: int | None, chain_flag: int | None, trained: int) -> int:
+    """The block drafted per round: ``--speculative-dspark-block-size``, or
+    ``--speculative-num-draft-tokens`` less the anchor (SGLang's name for the
+    verify chain), or the drafter's own; the two flags must agree when both
+    are given."""
+    from_chain = None if chain_flag is None else chain_flag - 1
+    if block_flag is not None and from_chain is not None and block_flag != from_chain:
+        raise ValueError(
+            f"speculative_num_draft_tokens ({chain_flag}) must be "
+            f"speculative_dspark_block_size + 1 = {block_flag + 1}: a verify chain is the "
+            f"anchor plus one block of drafts"
+        )
+    return block_flag or from_chain or trained
+
+
+def _check_compatible(dcfg: DSparkConfig, hidden: int, vocab: int, num_layers: int) -> None:
+    if dcfg.hidden_size != hidden or dcfg.vocab_size != vocab:
+        raise ValueError(
+            f"speculative_draft_model_path: the drafter (hidden {dcfg.hidden_size}, vocab "
+            f"{dcfg.vocab_size}) does not fit the target (hidden {hidden}, vocab {vocab})"
+        )
+    if dcfg.num_target_layers != num_layers:
+        raise ValueError(
+            f"speculative_draft_model_path: the drafter was made for a {dcfg.num_target_layers}-layer "
+            f"target, this one has {num_layers}"
+        )
+    ids = dcfg.target_layer_ids
+    if (
+        not ids
+        or any(b <= a for a, b in zip(ids, ids[1:]))
+        or ids[0] < -1
+        or ids[-1] > num_layers - 2
+    ):
+        raise ValueError(
+            f"speculative_draft_model_path: target_layer_ids {list(ids)} must be strictly increasing "
+            f"in [-1, {num_layers - 2}] (the last layer's output is normed and cannot be used)"
+        )
+
+
+def load_draft_model(
+    path: str, dcfg: DSparkConfig, runner: ModelRunner, use_heads: bool = True
+) -> DSparkDraftModel:
+    with torch.device("meta"):
+        model = DSparkDraftModel(
+            dcfg,
+            use_markov=use_heads,
+            use_confidence=use_heads,
+            context_length=runner.context_length,
+        )
+    model = materialize(model, runner.dtype, runner.device)
+    target = runner.model
+    skip: set[str] = set()
+    # The drafter's embedding and lm_head are copies of the target's: share them.
+    if model.embed_tokens.weight.shape == target.model.embed_tokens.weight.shape:
+        model.embed_tokens = target.model.embed_tokens
+        skip.add("embed_tokens.weight")
+    if model.lm_head.weight.shape == target.lm_head.weight.shape:
+        model.lm_head = target.lm_head
+        skip.add("lm_head.weight")
+    load_state(
+        model, checkpoint_files(path), f"{dcfg.num_hidden_layers}-layer DSpark drafter", skip
+    )
+    model.post_load()
+    return model.requires_grad_(False).eval()
+
+
+def load_v4_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
+    """DeepSeek-V4's drafter: ``mtp.*`` of the draft path (the target
+    checkpoint itself when it bundles one), sharing the target's embedding
+    and head."""
+    spec = config.spec
+    path = spec.draft_model_path
+    tcfg = runner.model_config
+    dcfg = DSparkV4Config.from_path(path, tcfg)
+    block = dspark_block_size(spec.block_size, spec.num_draft_tokens, dcfg.block_size)
+    if block > dcfg.block_size:
+        raise ValueError(
+            f"speculative_dspark_block_size: {block} exceeds the drafter's block size {dcfg.block_size}"
+        )
+    use_heads = spec.algorithm != "DFLASH"
+    with torch.device("meta"):
+        model = DSparkV4DraftModel(tcfg, dcfg, use_heads, runner.context_length)
+    model = materialize(model, runner.dtype, runner.device)
+    for name, param in model.named_parameters():
+        if any(p in name for p in model.keep_fp32):
+            param.data = param.data.float()
+    model.embed, model.head = runner.model.embed, runner.model.head
+    what = f"{dcfg.num_stages}-stage DeepSeek-V4 DSpark drafter"
+    load_state(model, checkpoint_files(path), what, fp8_block=tcfg.fp8_block)
+    model = model.requires_grad_(False).eval()
+    page = KVPool.bytes_per_page(dcfg.num_stages, runner.page_size, 1, tcfg.head_dim, runner.dtype)
+    r = config.scheduler.max_running_requests
+    window = r * model.window * dcfg.num_stages * tcfg.head_dim * runner.dtype.itemsize
+    logits = r * block * tcfg.vocab_size * 4 * 4
+    scratch = (scratch_pages(config, block) + scratch_pages(config, model.window)) * page
+    return LoadedDrafter(model, dcfg, block, page, int(1.25 * (logits + window)) + scratch)
+
+
+def scratch_pages(config: EngineConfig, block: int) -> int:
+    """Draft pages beyond the target's: a block is written past its request's
+    context, up to ``block`` positions further than the target has reserved."""
+    ps = config.cache.page_size
+    return config.scheduler.max_running_requests * -(-block // ps)
+
+
+def _activation_bytes(
+    config: EngineConfig, dcfg: DSparkConfig, block: int, runner: ModelRunner, page_bytes: int
+) -> int:
+    """An upper estimate of a drafting step: every running request's block
+    logits (float32, with the probabilities and the Markov-corrected copies),
+    the draft pool's scratch pages, and with the torch attention backend its
+    context K/V gathered for one draft layer at full context."""
+    r = config.scheduler.max_running_requests
+    elem = runner.dtype.itemsize
+    logits = r * block * dcfg.vocab_size * 4 * 4
+    scratch = scratch_pages(config, block) * page_bytes
+    context = 0
+    if config.attention_backend == "torch_native":
+        context = 2 * r * runner.context_length * dcfg.num_key_value_heads * dcfg.head_dim * elem
+    return int(1.25 * (logits + context)) + scratch
