@@ -230,3 +230,79 @@ def test_a_v4_target_without_a_drafter_is_named(paths, tmp_path) -> None:
         engine(paths["target"], speculative_algorithm="DSPARK", speculative_draft_model_path=plain)
     with pytest.raises(ValueError, match="exceeds the drafter's block size"):
         engine(paths["bundle"], speculative_algorithm="DSPARK", speculative_dspark_block_size=9)
+
+
+def test_json_schema_with_logprobs_streamed_and_not(paths) -> None:
+    """A schema under DSPARK on V4: valid JSON, one logprob per completion
+    token, the stream's deltas adding up to the whole answer, and the same
+    output as plain decoding."""
+    import asyncio
+
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+            "k": {"enum": ["aa", "bb"]},
+        },
+        "required": ["n", "k"],
+    }
+    sp = {"json_schema": json.dumps(schema), "temperature": 0, "max_new_tokens": 40}
+    prompt = random_prompts(1, [9], seed=29)[0]
+    eng = engine(paths["bundle"], speculative_algorithm="DSPARK")
+    whole = eng.generate(input_ids=[prompt], sampling_params=sp, return_logprob=True)[0]
+    jsonschema.validate(json.loads(whole["text"]), schema)
+    lps = whole["meta_info"]["output_token_logprobs"]
+    assert len(lps) == whole["meta_info"]["completion_tokens"] == len(whole["output_ids"])
+
+    async def stream():
+        return [
+            d
+            async for d in eng.generate_stream(
+                input_ids=prompt, sampling_params=sp, return_logprob=True
+            )
+        ]
+
+    deltas = asyncio.run(stream())
+    assert "".join(d["text"] for d in deltas) == whole["text"]
+    streamed = [x for d in deltas for x in d["meta_info"]["output_token_logprobs"]]
+    assert streamed == lps
+    plain = engine(paths["target"]).generate(input_ids=[prompt], sampling_params=sp)[0]
+    assert plain["output_ids"] == whole["output_ids"]
+    assert eng.core.spec.stats.rounds > 0 and eng.stats()["grammar_matchers"] == 0
+
+
+def test_sampled_dspark_is_lossless(paths) -> None:
+    """Sampling under DSPARK on V4 gives plain sampling's distribution: six
+    allowed tokens (a logit bias the drafter knows nothing of), chi-square of
+    homogeneity at the first and a later position, 600 seeded requests each."""
+    allowed = [20, 21, 22, 23, 24, 25]
+    bias = {t: -100.0 for t in range(528) if t not in allowed}
+    n, prompt = 600, [30, 31, 32]
+    sps = [
+        {
+            "temperature": 1.3,
+            "max_new_tokens": 4,
+            "ignore_eos": True,
+            "seed": 1000 + i,
+            "logit_bias": bias,
+        }
+        for i in range(n)
+    ]
+    spec_eng = engine(paths["bundle"], speculative_algorithm="DSPARK", max_running_requests=64)
+    spec = spec_eng.generate(input_ids=[prompt] * n, sampling_params=sps)
+    assert spec_eng.core.spec.stats.rounds > 0
+    plain = engine(paths["target"], max_running_requests=64).generate(
+        input_ids=[prompt] * n, sampling_params=[{**s, "seed": s["seed"] + 10**6} for s in sps]
+    )
+    for position in (0, 3):
+        a = torch.bincount(
+            torch.tensor([allowed.index(o["output_ids"][position]) for o in spec]), minlength=6
+        )
+        b = torch.bincount(
+            torch.tensor([allowed.index(o["output_ids"][position]) for o in plain]), minlength=6
+        )
+        expect = (a + b).float() / 2
+        chi2 = (((a - expect) ** 2 + (b - expect) ** 2) / expect.clamp(min=1e-9)).sum()
+        assert float(chi2) < 20.5, (position, a.tolist(), b.tolist())  # 0.999 quantile, 5 dof
