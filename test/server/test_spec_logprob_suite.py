@@ -14,7 +14,7 @@ import pytest
 
 from models_zoo import model_path, random_prompts
 from server_harness import running_server
-from specserve.tools.tiny_model import make_tiny_dspark
+from specserve.tools.tiny_model import make_tiny_dspark, make_tiny_dspark_v4, make_tiny_model
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -22,6 +22,8 @@ pytest.importorskip("xgrammar")
 
 TOL = 1e-4
 ALGORITHMS = ("DSPARK", "DFLASH", "NGRAM")
+# DeepSeek-V4 rows: its bundled drafter (no draft path) and NGRAM.
+V4_ALGORITHMS = ("DSPARK-v4", "NGRAM-v4")
 MODES = ("raw", "processed")
 PROMPTS = random_prompts(3, [6, 14, 23], seed=81) + [[9, 10, 11, 12] * 5]
 
@@ -30,19 +32,28 @@ PROMPTS = random_prompts(3, [6, 14, 23], seed=81) + [[9, 10, 11, 12] * 5]
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("suite")
     drafter = make_tiny_dspark(str(root / "dspark"), model_path("qwen3"), markov_head_type="gated")
+    v4: list[str] = []  # the V4 target with its drafter inside, built on first use
     started: dict[tuple[str, str], object] = {}
     with ExitStack() as stack:
 
         def get(alg: str, mode: str):
             key = (alg, mode)
             if key not in started:
+                target = model_path("qwen3")
+                if alg.endswith("-v4"):
+                    if not v4:
+                        plain_v4 = make_tiny_model(str(root / "v4"), "deepseek_v4", num_layers=5)
+                        v4.append(
+                            make_tiny_dspark_v4(str(root / "v4-bundle"), plain_v4, bundle=True)
+                        )
+                    target, alg = v4[0], alg.removesuffix("-v4")
                 flags = ["--logprobs-mode", mode]
                 if alg != "plain":
                     flags += ["--speculative-algorithm", alg]
-                if alg in ("DSPARK", "DFLASH"):
+                if alg in ("DSPARK", "DFLASH") and target == model_path("qwen3"):
                     flags += ["--speculative-draft-model-path", drafter]
                 started[key] = stack.enter_context(
-                    running_server(model_path("qwen3"), *flags, log_dir=str(root))
+                    running_server(target, *flags, log_dir=str(root))
                 )
             return started[key]
 
@@ -52,10 +63,14 @@ def servers(tmp_path_factory):
             assert stats["grammar_matchers"] == 0
 
 
-@pytest.fixture(params=[(a, m) for a in ALGORITHMS for m in MODES], ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(
+    params=[(a, m) for a in ALGORITHMS + V4_ALGORITHMS for m in MODES],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
 def pair(request, servers):
     alg, mode = request.param
-    return servers(alg, mode), servers("plain", mode), mode
+    plain = "plain-v4" if alg.endswith("-v4") else "plain"
+    return servers(alg, mode), servers(plain, mode), mode
 
 
 def gen(server, **body) -> dict | list:
