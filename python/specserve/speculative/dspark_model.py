@@ -330,27 +330,6 @@ class DSparkDraftModel(BlockDrafter):
         )
         return hidden.view(b, a, block_size, -1)
 
-    def train_logits(
-        self, hidden: torch.Tensor, prev: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Teacher-forced draft logits ``[..., gamma, V]`` (Markov-corrected, with
-        ``prev [..., gamma]`` the token before each slot) and confidences."""
-        lead, g = hidden.shape[:-2], hidden.shape[-2]
-        h = hidden.reshape(-1, g, hidden.shape[-1])
-        p = prev.reshape(-1, g)
-        logits = self.lm_head(h)  # [N, G, V] float32
-        state = self.markov_head.init_state(h.shape[0], h) if self.use_markov else None
-        corrections, embeds = [], []
-        for k in range(g):
-            if self.use_markov:
-                bias, state, prev_embed = self.markov_head.step(p[:, k], h[:, k], state)
-                corrections.append(bias.float())
-                embeds.append(prev_embed)
-        if corrections:
-            logits = logits + torch.stack(corrections, dim=1)
-        conf = self._confidence(h, embeds)
-        return logits.view(*lead, g, -1), None if conf is None else conf.view(*lead, g)
-
     # ---- reference ----------------------------------------------------------
 
     def naive_block(self, features: torch.Tensor, anchor: int, block_size: int) -> torch.Tensor:

@@ -197,6 +197,21 @@ class DSparkV4DraftModel(BlockDrafter):
                 rest = rest.replace(f"hc_{site}_{part}", f"hc_{site}.{part}")
         return f"stages.{stage}.{rest}"
 
+    def checkpoint_name(self, ours: str) -> str:
+        """The checkpoint key of one of ``checkpoint_targets``' names (the
+        inverse of ``checkpoint_key``; the heads go under the last stage)."""
+        if ours.startswith(("markov_head.", "confidence_head.")):
+            return f"mtp.{self.config.num_stages - 1}.{ours}"
+        _, stage, rest = ours.split(".", 2)
+        for site in ("attn", "ffn", "head"):
+            for part in ("fn", "base", "scale"):
+                rest = rest.replace(f"hc_{site}.{part}", f"hc_{site}_{part}")
+        return f"mtp.{stage}.{rest}"
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """The drafter's tensors under their checkpoint keys (``mtp.*``)."""
+        return {self.checkpoint_name(k): v for k, v in self.checkpoint_targets().items()}
+
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         skip = ("embed.", "head.")
         out = {
@@ -267,3 +282,31 @@ class DSparkV4DraftModel(BlockDrafter):
             x, post, comb = stage.hc_ffn(streams)
             streams = expand(streams, stage.ffn(stage.ffn_norm.forward(x), flat_ids), post, comb)
         return self.stages[-1].hc_head(streams).view(r, g, -1)
+
+    # ---- training -----------------------------------------------------------
+
+    def train_hidden(
+        self,
+        features: torch.Tensor,  # [B, T, m * d] captured target layers of every position
+        input_ids: torch.Tensor,  # [B, T]
+        anchors: torch.Tensor,  # [B, A] anchor positions
+        block_size: int,
+    ) -> torch.Tensor:
+        """Blocks at many anchors of whole sequences at once: ``[B, A, gamma, d]``.
+        Block ``(b, a)`` sees the last ``window`` positions before ``anchors[b, a]``."""
+        b, t = input_ids.shape
+        a, w = anchors.shape[1], self.window
+        positions = torch.arange(t, device=input_ids.device)
+        keys = [
+            k[:, 0] for k, _ in self.context_kv(features.reshape(b * t, -1), positions.repeat(b))
+        ]
+        window = anchors[:, :, None] - w + torch.arange(w, device=anchors.device)  # [B, A, W]
+        rows = torch.arange(b, device=anchors.device)[:, None, None] * t + window.clamp(min=0)
+        ctx = [k[rows.reshape(b * a, w)] for k in keys]  # per stage [B * A, W, D]
+        bias = torch.zeros(window.shape, device=anchors.device).masked_fill(
+            window < 0, float("-inf")
+        )
+        tokens = input_ids.gather(1, anchors)  # [B, A]
+        attend = self.window_attend(ctx, bias.view(b * a, w))
+        hidden = self.block_hidden(tokens.flatten(), anchors.flatten(), attend, block_size)
+        return hidden.view(b, a, block_size, -1)

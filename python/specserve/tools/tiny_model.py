@@ -332,19 +332,8 @@ def make_tiny_dspark_v4(
                 p.normal_(0, 0.5)
             else:
                 p.normal_(0, init_std)
-    last = dcfg.num_stages - 1
-    state = {}
-    for ours, tensor in model.checkpoint_targets().items():
-        if ours.startswith(("markov_head.", "confidence_head.")):
-            key = f"mtp.{last}.{ours}"
-        else:
-            _, stage, rest = ours.split(".", 2)
-            for site in ("attn", "ffn", "head"):
-                for part in ("fn", "base", "scale"):
-                    rest = rest.replace(f"hc_{site}.{part}", f"hc_{site}_{part}")
-            key = f"mtp.{stage}.{rest}"
-        assert model.checkpoint_key(key) == ours, (key, ours)
-        state[key] = tensor.detach().clone().contiguous()
+    state = {k: v.detach().clone().contiguous() for k, v in model.checkpoint_state().items()}
+    assert all(model.checkpoint_key(k) in model.checkpoint_targets() for k in state)
     if bundle:
         shutil.copytree(target_path, path, dirs_exist_ok=True)
         index = os.path.join(path, "model.safetensors.index.json")

@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from specserve.config import ModelConfig
 from specserve.speculative.dspark_model import ARCHITECTURE, DSparkConfig, DSparkDraftModel
+from specserve.speculative.dspark_v4_model import DSparkV4Config, DSparkV4DraftModel
 from specserve.training.data import chunk, read_token_stream
 
 STATE_FILE = "train_state.pt"
@@ -126,13 +128,24 @@ class DSparkTrainer:
         with open(os.path.join(cfg.target, "config.json")) as f:
             tcfg = json.load(f)
         mask_id = _mask_token_id(self.tokenizer)
-        self.draft_json = draft_config(cfg, tcfg, mask_id)
-        dcfg = DSparkConfig.from_dict(self.draft_json)
-        self.model = DSparkDraftModel(dcfg)
-        _init_weights(self.model, cfg.seed)
-        # The drafter embeds and reads out through the target's own (frozen) tensors.
-        self.model.embed_tokens = self.target.get_input_embeddings()
-        self.model.lm_head = self.target.get_output_embeddings()
+        self.v4 = tcfg.get("model_type") == "deepseek_v4"
+        if self.v4:
+            self.draft_json = v4_draft_config(cfg, tcfg, mask_id)
+            target = ModelConfig.from_dict(self.draft_json)
+            dcfg = DSparkV4Config.from_dict(self.draft_json, target, "config.json")
+            self.model = DSparkV4DraftModel(target, dcfg)
+            _init_v4_weights(self.model, cfg.seed)
+            self.model.embed = self.target.get_input_embeddings()
+            self.model.head = self.target.get_output_embeddings()
+            self._hook_layer_outputs(dcfg.target_layer_ids)
+        else:
+            self.draft_json = draft_config(cfg, tcfg, mask_id)
+            dcfg = DSparkConfig.from_dict(self.draft_json)
+            self.model = DSparkDraftModel(dcfg)
+            _init_weights(self.model, cfg.seed)
+            # The drafter embeds and reads out through the target's own (frozen) tensors.
+            self.model.embed_tokens = self.target.get_input_embeddings()
+            self.model.lm_head = self.target.get_output_embeddings()
         self.model.to(self.device)
         self.layer_ids = dcfg.target_layer_ids
         eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
@@ -146,6 +159,31 @@ class DSparkTrainer:
         )
         self.step = 0
         self._resume()
+
+    def _hook_layer_outputs(self, layer_ids: tuple[int, ...]) -> None:
+        """DeepSeek-V4: each chosen layer's output streams, averaged (what the
+        engine captures; transformers' ``hidden_states`` ends with the normed
+        head input instead of the last layer's streams)."""
+        self._captured: dict[int, torch.Tensor] = {}
+        layers = self.target.model.layers
+        for i in layer_ids:
+
+            def hook(module, args, output, i=i) -> None:
+                streams = output[0] if isinstance(output, tuple) else output
+                self._captured[i] = streams.mean(dim=2)
+
+            layers[i].register_forward_hook(hook)
+
+    def features(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's captured layers ``[B, T, m * d]`` and logits ``[B, T, V]``."""
+        if self.v4:
+            out = self.target(ids)
+            feats = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        else:
+            out = self.target(ids, output_hidden_states=True)
+            hs = out.hidden_states
+            feats = torch.cat([hs[0 if i == -1 else i + 1] for i in self.layer_ids], dim=-1)
+        return feats, out.logits.float()
 
     # ---- one step -----------------------------------------------------------------
 
@@ -166,10 +204,7 @@ class DSparkTrainer:
         ids = ids.to(self.device)
         b, t = ids.shape
         with torch.no_grad():
-            out = self.target(ids, output_hidden_states=True)
-            hs = out.hidden_states
-            feats = torch.cat([hs[0 if i == -1 else i + 1] for i in self.layer_ids], dim=-1)
-            target_logits = out.logits.float()  # [B, T, V]
+            feats, target_logits = self.features(ids)  # [B, T, m * d], [B, T, V]
         g = torch.Generator().manual_seed(self.cfg.seed * 7_919 + step)
         count = min(cfg.anchors, t - 1)
         anchors = (
@@ -249,7 +284,11 @@ class DSparkTrainer:
             self.cfg.dtype
         ]
         state = {}
-        for key, value in self.model.state_dict().items():
+        if self.v4:  # DeepSeek's layout: mtp.* only, the target's embedding and head shared
+            items = self.model.checkpoint_state().items()
+        else:
+            items = self.model.state_dict().items()
+        for key, value in items:
             if not self.cfg.save_embeddings and key in ("embed_tokens.weight", "lm_head.weight"):
                 continue
             state[key] = value.detach().to("cpu", dtype).contiguous().clone()
@@ -271,6 +310,14 @@ class DSparkTrainer:
             return
         state = torch.load(path, weights_only=False, map_location="cpu")
         weights = load_file(os.path.join(self.cfg.out, "model.safetensors"))
+        if self.v4:
+            targets = self.model.checkpoint_targets()
+            with torch.no_grad():
+                for key, value in weights.items():
+                    targets[self.model.checkpoint_key(key)].copy_(value)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step = int(state["step"])
+            return
         own = {
             k: v for k, v in weights.items() if k not in ("embed_tokens.weight", "lm_head.weight")
         }
@@ -280,6 +327,41 @@ class DSparkTrainer:
             raise ValueError(f"resume: {path}: unexpected tensors {unexpected[:3]}")
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
+
+
+def v4_draft_config(cfg: DSparkTrainConfig, target: dict, noise_token_id: int) -> dict:
+    """A DeepSeek-V4 drafter's ``config.json``: the target's, with the
+    ``dspark_*`` fields its checkpoints carry (the stages follow the target's
+    architecture, one per captured layer)."""
+    n = int(target["num_hidden_layers"])
+    return {
+        **target,
+        "dtype": cfg.dtype,
+        "dspark_block_size": cfg.block_size,
+        "dspark_target_layer_ids": list(cfg.target_layer_ids or default_layer_ids(n, 2)),
+        "dspark_markov_rank": cfg.markov_rank or 32,
+        "dspark_noise_token_id": noise_token_id,
+        "enable_confidence_head": True,
+    }
+
+
+def _init_v4_weights(model: DSparkV4DraftModel, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith(("embed.", "head.")):
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("norm.weight") or leaf == "scale":
+                p.fill_(1.0)
+            elif leaf in ("bias", "base", "attn_sink"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+        for stage in model.stages:  # residual branches start small
+            stage.attn.wo_b.weight.mul_(0.5)
+            stage.ffn.experts.w2.mul_(0.5)
+            stage.ffn.shared_experts.w2.weight.mul_(0.5)
 
 
 def _mask_token_id(tokenizer) -> int:
