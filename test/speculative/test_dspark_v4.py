@@ -344,3 +344,26 @@ def test_a_trained_drafter_gets_drafts_accepted(paths, tmp_path) -> None:
     got = spec.generate(input_ids=test_prompts, sampling_params=sp)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
     assert spec.core.spec.stats.accept_length > 1.0  # some drafts accepted
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [{"speculative_dspark_confidence_threshold": 0.5}, {"speculative_dspark_schedule": "budget"}],
+    ids=["threshold", "budget"],
+)
+def test_confidence_scheduled_verify_lengths(paths, schedule, tmp_path) -> None:
+    """The confidence head chooses how many drafts to verify (a static
+    threshold, or the budget scheduler over a profiled steps/s table): still
+    plain decoding's output."""
+    prompts = random_prompts(3, [6, 17, 30], seed=31)
+    sp = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+    want = engine(paths["target"]).generate(input_ids=prompts, sampling_params=sp)
+    extra = (
+        {"speculative_dspark_sps_table_path": str(tmp_path / "sps.json")}
+        if "speculative_dspark_schedule" in schedule
+        else {}
+    )
+    spec = engine(paths["bundle"], speculative_algorithm="DSPARK", **schedule, **extra)
+    got = spec.generate(input_ids=prompts, sampling_params=sp)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert spec.core.spec.stats.rounds > 0
