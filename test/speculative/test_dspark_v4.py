@@ -308,42 +308,87 @@ def test_sampled_dspark_is_lossless(paths) -> None:
         assert float(chi2) < 20.5, (position, a.tolist(), b.tolist())  # 0.999 quantile, 5 dof
 
 
-def test_a_trained_drafter_gets_drafts_accepted(paths, tmp_path) -> None:
-    """``train-dspark`` on a V4 target (its own greedy continuations): the
-    loss goes down, the checkpoint is in the published layout, and DSPARK
-    with it equals plain decoding with some drafts accepted."""
+@pytest.fixture(scope="module")
+def trained(paths, tmp_path_factory) -> str:
+    """``train-dspark`` on the V4 target's own greedy continuations."""
     from specserve.training.data import write_jsonl
     from specserve.training.train_dspark import DSparkTrainConfig, DSparkTrainer
 
-    plain = engine(paths["target"])
+    root = tmp_path_factory.mktemp("v4-trained")
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(4, 500, (32, 8), generator=g).tolist()
     sp = {"temperature": 0, "max_new_tokens": 56, "ignore_eos": True}
-    outs = plain.generate(input_ids=prompts, sampling_params=sp)
-    data = str(tmp_path / "data.jsonl")
+    outs = engine(paths["target"]).generate(input_ids=prompts, sampling_params=sp)
+    data = str(root / "data.jsonl")
     write_jsonl(data, (p + o["output_ids"] for p, o in zip(prompts, outs)))
     cfg = DSparkTrainConfig(
-        target=paths["target"], data=(data,), out=str(tmp_path / "trained"), block_size=BLOCK,
+        target=paths["target"], data=(data,), out=str(root / "trained"), block_size=BLOCK,
         markov_rank=16, steps=60, batch_size=8, seq_len=64, anchors=8, lr=5e-3, warmup=5,
         save_every=1000, seed=1,
     )  # fmt: skip
     history = DSparkTrainer(cfg).train(progress=False)
-    assert history[-1].loss < history[0].loss * 0.9
-    with open(os.path.join(cfg.out, "config.json")) as f:
+    assert history[-1].loss < history[0].loss * 0.9  # it learns
+    return cfg.out
+
+
+def test_a_trained_drafter_gets_drafts_accepted(paths, trained) -> None:
+    """The checkpoint ``train-dspark`` writes is in the published layout, and
+    DSPARK with it equals plain decoding (ids, every logprob field) with
+    drafts accepted."""
+    with open(os.path.join(trained, "config.json")) as f:
         conf = json.load(f)
     assert conf["dspark_block_size"] == BLOCK and conf["dspark_markov_rank"] == 16
-    assert all(k.startswith("mtp.") for k in load_file(os.path.join(cfg.out, "model.safetensors")))
+    assert all(k.startswith("mtp.") for k in load_file(os.path.join(trained, "model.safetensors")))
     spec = engine(
-        paths["target"], speculative_algorithm="DSPARK", speculative_draft_model_path=cfg.out
+        paths["target"], speculative_algorithm="DSPARK", speculative_draft_model_path=trained
     )
-    test_prompts = torch.randint(
-        4, 500, (6, 8), generator=torch.Generator().manual_seed(99)
-    ).tolist()
-    sp = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
-    want = plain.generate(input_ids=test_prompts, sampling_params=sp)
-    got = spec.generate(input_ids=test_prompts, sampling_params=sp)
+    prompts = torch.randint(4, 500, (6, 8), generator=torch.Generator().manual_seed(99)).tolist()
+    kw = dict(
+        sampling_params={"temperature": 0, "max_new_tokens": 48, "ignore_eos": True},
+        return_logprob=True, logprob_start_len=2, top_logprobs_num=5, token_ids_logprob=[4, 77],
+    )  # fmt: skip
+    want = engine(paths["target"]).generate(input_ids=prompts, **kw)
+    got = spec.generate(input_ids=prompts, **kw)
+    for a, b in zip(want, got):
+        assert a["output_ids"] == b["output_ids"]
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            la, lb = a["meta_info"][key], b["meta_info"][key]
+            assert max(abs((x[0] or 0) - (y[0] or 0)) for x, y in zip(la, lb)) < 1e-4
+        for key in ("output_top_logprobs", "output_token_ids_logprobs"):
+            ra, rb = a["meta_info"][key], b["meta_info"][key]
+            assert [[t[1] for t in r] for r in ra] == [[t[1] for t in r] for r in rb]
+            assert max(abs(x[0] - y[0]) for r, q in zip(ra, rb) for x, y in zip(r, q)) < 1e-4
+    tau = spec.core.spec.stats.accept_length
+    assert tau > 1.0, tau  # some drafts accepted
+
+
+def test_limits_and_stops_cut_accepted_runs(paths, trained) -> None:
+    """Every output length from 1 to 24 and stop strings at many offsets, in
+    one batch of one prompt: wherever a cut falls (inside an accepted run
+    too), the output is plain decoding's."""
+    spec = engine(
+        paths["target"], speculative_algorithm="DSPARK", speculative_draft_model_path=trained
+    )
+    base = {"temperature": 0, "ignore_eos": True}
+    # Of prompts the drafter was trained on, the one whose drafts are accepted
+    # most: the same prompt in every request below drafts the same runs.
+    candidates = torch.randint(4, 500, (32, 8), generator=torch.Generator().manual_seed(0))[:8]
+    tried = spec.generate(
+        input_ids=candidates.tolist(), sampling_params={**base, "max_new_tokens": 24}
+    )
+    taus = [o["meta_info"]["spec_accept_length"] for o in tried]
+    assert max(taus) > 1.0, taus
+    prompt = candidates[taus.index(max(taus))].tolist()
+    plain = engine(paths["target"])
+    full = plain.generate(input_ids=[prompt], sampling_params={**base, "max_new_tokens": 24})[0]
+    text = full["text"]
+    stops = sorted({text[i : i + 2] for i in range(1, len(text) - 2, 3) if text[i : i + 2].strip()})
+    sps = [{**base, "max_new_tokens": n} for n in range(1, 25)]
+    sps += [{**base, "max_new_tokens": 24, "stop": [s]} for s in stops]
+    want = plain.generate(input_ids=[prompt] * len(sps), sampling_params=sps)
+    got = spec.generate(input_ids=[prompt] * len(sps), sampling_params=sps)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
-    assert spec.core.spec.stats.accept_length > 1.0  # some drafts accepted
+    assert [o["text"] for o in got] == [o["text"] for o in want]
 
 
 @pytest.mark.parametrize(

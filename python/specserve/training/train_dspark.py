@@ -138,6 +138,7 @@ class DSparkTrainer:
             self.model.embed = self.target.get_input_embeddings()
             self.model.head = self.target.get_output_embeddings()
             self._hook_layer_outputs(dcfg.target_layer_ids)
+            _earlier_entry_wins(self.target)
         else:
             self.draft_json = draft_config(cfg, tcfg, mask_id)
             dcfg = DSparkConfig.from_dict(self.draft_json)
@@ -343,6 +344,24 @@ def v4_draft_config(cfg: DSparkTrainConfig, target: dict, noise_token_id: int) -
         "dspark_noise_token_id": noise_token_id,
         "enable_confidence_head": True,
     }
+
+
+def _earlier_entry_wins(model) -> None:
+    """Gives this transformers V4 model's indexer the engine's rule for tied
+    top-k scores (the earlier entry wins; see docs/models.md), so that the
+    features a drafter trains on are the ones it is served: a perturbation
+    far below any real score gap, on this model's scorers only."""
+    for module in model.modules():
+        if type(module).__name__ != "DeepseekV4IndexerScorer":
+            continue
+        forward = module.forward
+
+        def tie_broken(q, keys, hidden, forward=forward):
+            scores = forward(q, keys, hidden)
+            order = torch.arange(scores.shape[-1], device=scores.device, dtype=scores.dtype)
+            return scores - order * 1e-30
+
+        module.forward = tie_broken
 
 
 def _init_v4_weights(model: DSparkV4DraftModel, seed: int) -> None:
