@@ -11,7 +11,10 @@ The block reads that pool through the target's attention backends (the
 paged Triton kernel on CUDA), as a non-causal batch: each layer writes the
 block's own K/V into the slots past the context (scratch, overwritten by
 real context K/V once those positions are committed) and attends to the
-context and the whole block in one call.
+context and the whole block in one call. A windowed drafter (DeepSeek-V4's,
+``window`` set) reads only the last ``window`` context positions, gathered
+for its own sink attention, and its pages behind the window are freed as
+the context grows.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ from specserve.host import HostStaging, upload
 from specserve.layers.attention import AttentionMetadata, make_attention_backend
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.base import DraftProposal, Proposer
+from specserve.speculative.block_drafter import BlockDrafter
 from specserve.speculative.confidence import SpsTable, budget_lengths, profile_sps, static_lengths
 from specserve.speculative.drafter_loader import LoadedDrafter, load_drafter, scratch_pages
-from specserve.speculative.dspark_model import Attend, BlockDrafter
+from specserve.speculative.dspark_model import Attend
 from specserve.speculative.dspark_v4_model import DSparkV4Config
 
 logger = logging.getLogger(__name__)
@@ -85,8 +89,8 @@ class DSparkProposer(Proposer):
     def from_config(
         cls, config: EngineConfig, runner: ModelRunner, loaded: LoadedDrafter | None = None
     ) -> DSparkProposer:
-        """The proposer over ``runner``'s allocated pool size; ``loaded``: the
-        drafter ``load`` returned (loaded now if not given)."""
+        """The proposer over ``runner``'s allocated pool size; ``loaded``: what
+        ``load_drafter`` returned (loaded now if not given)."""
         spec = config.spec
         loaded = loaded or load_drafter(config, runner)
         model, dcfg, block = loaded.model, loaded.config, loaded.block_size
