@@ -75,10 +75,7 @@ def load_model(
     # checkpoint), straight in the target dtype: no float32 copy ever exists.
     with torch.device("meta"):
         model = cls(cfg, max_position)
-    model = materialize(model, dtype, device)
-    for name, param in model.named_parameters():
-        if any(p in name for p in getattr(model, "keep_fp32", ())):
-            param.data = param.data.float()
+    model = keep_fp32_(materialize(model, dtype, device))
     if cfg.tie_word_embeddings and hasattr(model, "lm_head"):
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, checkpoint_files(model_path))
@@ -90,6 +87,15 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device | str
     """A model built on ``meta``, given uninitialised storage of ``dtype`` on
     ``device`` (the cast happens on meta, where it costs nothing)."""
     return model.to(dtype).to_empty(device=device)
+
+
+def keep_fp32_(model: nn.Module) -> nn.Module:
+    """Parameters named in ``model.keep_fp32`` (substrings) back to float32,
+    whatever the serving dtype, as the reference keeps them."""
+    for name, param in model.named_parameters():
+        if any(p in name for p in getattr(model, "keep_fp32", ())):
+            param.data = param.data.float()
+    return model
 
 
 def load_weights(model: DecoderForCausalLM, files: list[str]) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig
-from specserve.models.loader import checkpoint_files, load_state, materialize
+from specserve.models.loader import checkpoint_files, keep_fp32_, load_state, materialize
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.block_drafter import BlockDrafter
 from specserve.speculative.dspark_model import DSparkConfig, DSparkDraftModel
@@ -39,11 +39,7 @@ def load_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
     dcfg = DSparkConfig.from_path(spec.draft_model_path)
     tcfg = runner.model_config
     _check_compatible(dcfg, tcfg.hidden_size, tcfg.vocab_size, tcfg.num_hidden_layers)
-    block = dspark_block_size(spec.block_size, spec.num_draft_tokens, dcfg.block_size)
-    if block > dcfg.block_size:
-        raise ValueError(
-            f"speculative_dspark_block_size: {block} exceeds the drafter's block size {dcfg.block_size}"
-        )
+    block = drafted_block(config, dcfg.block_size)
     if block < dcfg.block_size:
         logger.warning(
             "drafting blocks of %d with a drafter trained on blocks of %d: the block attends "
@@ -59,6 +55,17 @@ def load_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
     return LoadedDrafter(
         model, dcfg, block, page, _activation_bytes(config, dcfg, block, runner, page)
     )
+
+
+def drafted_block(config: EngineConfig, trained: int) -> int:
+    """The block a round drafts (``dspark_block_size``), at most the drafter's own."""
+    spec = config.spec
+    block = dspark_block_size(spec.block_size, spec.num_draft_tokens, trained)
+    if block > trained:
+        raise ValueError(
+            f"speculative_dspark_block_size: {block} exceeds the drafter's block size {trained}"
+        )
+    return block
 
 
 def dspark_block_size(block_flag: int | None, chain_flag: int | None, trained: int) -> int:
@@ -135,18 +142,11 @@ def load_v4_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
     path = spec.draft_model_path
     tcfg = runner.model_config
     dcfg = DSparkV4Config.from_path(path, tcfg)
-    block = dspark_block_size(spec.block_size, spec.num_draft_tokens, dcfg.block_size)
-    if block > dcfg.block_size:
-        raise ValueError(
-            f"speculative_dspark_block_size: {block} exceeds the drafter's block size {dcfg.block_size}"
-        )
+    block = drafted_block(config, dcfg.block_size)
     use_heads = spec.algorithm != "DFLASH"
     with torch.device("meta"):
         model = DSparkV4DraftModel(tcfg, dcfg, use_heads, runner.context_length)
-    model = materialize(model, runner.dtype, runner.device)
-    for name, param in model.named_parameters():
-        if any(p in name for p in model.keep_fp32):
-            param.data = param.data.float()
+    model = keep_fp32_(materialize(model, runner.dtype, runner.device))
     model.embed, model.head = runner.model.embed, runner.model.head
     what = f"{dcfg.num_stages}-stage DeepSeek-V4 DSpark drafter"
     load_state(model, checkpoint_files(path), what, fp8_block=tcfg.fp8_block)
