@@ -223,9 +223,6 @@ class DSparkV4DraftModel(BlockDrafter):
             out.update(stage.ffn.experts.checkpoint_targets(f"stages.{i}.ffn.experts"))
         return out
 
-    def post_load(self) -> None:
-        pass
-
     # ---- the shared walk's hooks -------------------------------------------
 
     @property
