@@ -67,6 +67,18 @@ class InterleavedRope:
         return torch.cat([nope, rotated.flatten(-2).to(x.dtype)], dim=-1)
 
 
+_HC_PARAMS = [(f"hc_{site}_{part}", f"hc_{site}.{part}")
+              for site in ("attn", "ffn", "head") for part in ("fn", "base", "scale")]  # fmt: skip
+
+
+def hc_names(key: str, to_checkpoint: bool = False) -> str:
+    """DeepSeek's flat mHC parameter names (``hc_attn_fn``, ``hc_head_scale``)
+    as our modules' dotted ones (``hc_attn.fn``), or back."""
+    for flat, dotted in _HC_PARAMS:
+        key = key.replace(dotted, flat) if to_checkpoint else key.replace(flat, dotted)
+    return key
+
+
 class Compressor(nn.Module):
     """Per-position K/V and gate projections (``wkv``, ``wgate``), a gate bias
     per window offset (``ape``) and the entries' norm."""
@@ -240,16 +252,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             "hc_head.hc_fn": "hc_head.fn",
             "hc_head.hc_base": "hc_head.base",
             "hc_head.hc_scale": "hc_head.scale",
-            "hc_head_fn": "hc_head.fn",
-            "hc_head_base": "hc_head.base",
-            "hc_head_scale": "hc_head.scale",
         }
-        if key in renames:
-            return renames[key]
-        for site in ("attn", "ffn"):
-            for part in ("fn", "base", "scale"):
-                key = key.replace(f".hc_{site}_{part}", f".hc_{site}.{part}")
-        return key
+        return renames.get(key) or hc_names(key)
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}

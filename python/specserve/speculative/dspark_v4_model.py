@@ -36,7 +36,12 @@ from specserve.layers.hyper_connection import (
 from specserve.layers.linear import LogitsHead
 from specserve.layers.moe import MoE
 from specserve.layers.norm import RMSNorm
-from specserve.models.deepseek_v4 import Attention, DeepseekV4ForCausalLM, InterleavedRope
+from specserve.models.deepseek_v4 import (
+    Attention,
+    DeepseekV4ForCausalLM,
+    InterleavedRope,
+    hc_names,
+)
 from specserve.models.deepseek_v4_config import SLIDING
 from specserve.speculative.block_drafter import BlockDrafter, ConfidenceHead, MarkovHead
 from specserve.speculative.dspark_model import Attend
@@ -188,14 +193,7 @@ class DSparkV4DraftModel(BlockDrafter):
         _, stage, rest = key.split(".", 2)
         if rest.startswith(("markov_head.", "confidence_head.")):
             return rest
-        rest = {
-            "hc_head_fn": "hc_head.fn", "hc_head_base": "hc_head.base",
-            "hc_head_scale": "hc_head.scale",
-        }.get(rest, rest)  # fmt: skip
-        for site in ("attn", "ffn"):
-            for part in ("fn", "base", "scale"):
-                rest = rest.replace(f"hc_{site}_{part}", f"hc_{site}.{part}")
-        return f"stages.{stage}.{rest}"
+        return f"stages.{stage}.{hc_names(rest)}"
 
     def checkpoint_name(self, ours: str) -> str:
         """The checkpoint key of one of ``checkpoint_targets``' names (the
@@ -203,10 +201,7 @@ class DSparkV4DraftModel(BlockDrafter):
         if ours.startswith(("markov_head.", "confidence_head.")):
             return f"mtp.{self.config.num_stages - 1}.{ours}"
         _, stage, rest = ours.split(".", 2)
-        for site in ("attn", "ffn", "head"):
-            for part in ("fn", "base", "scale"):
-                rest = rest.replace(f"hc_{site}.{part}", f"hc_{site}_{part}")
-        return f"mtp.{stage}.{rest}"
+        return f"mtp.{stage}.{hc_names(rest, to_checkpoint=True)}"
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """The drafter's tensors under their checkpoint keys (``mtp.*``)."""
