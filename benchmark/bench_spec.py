@@ -266,9 +266,8 @@ def round_profile(engines, prompts, sp, args, root: str) -> int:
             wrap(spec, "propose", "drafting (propose)")
             wrap(spec, "verify", "chain verification")
             model = spec.proposer.model
-            wrap(model, "block_hidden", "  draft layers over the block")
+            wrap(model, "block_hidden", "  draft layers (block, new context K/V)")
             wrap(model, "draft", "  lm_head + Markov steps")
-            wrap(spec.proposer, "_flush", "  context K/V of new tokens")
             wrap(spec.proposer, "_paged_attend", "  planning the paged block attention")
         return spent
 
@@ -300,13 +299,12 @@ def round_profile(engines, prompts, sp, args, root: str) -> int:
     print(f"plain decode step: {1e3 * plain_step:.2f} ms; DSPARK tau {tau:.2f}")
     print(f"{'DSPARK round':34} {'ms':>7} {'plain steps':>12}")
     rows = [
-        (k, per_round[k])
+        (k, per_round.get(k, 0.0))
         for k in (
             "target forward",
             "drafting (propose)",
-            "  draft layers over the block",
+            "  draft layers (block, new context K/V)",
             "  lm_head + Markov steps",
-            "  context K/V of new tokens",
             "  planning the paged block attention",
             "chain verification",
         )

@@ -109,15 +109,25 @@ class RotaryEmbedding:
         table = torch.cat([cos, cos, -sin, sin], dim=-1).mul_(self.scale)
         self._cos_sin = table.to(device)
 
-    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotates ``x [T, heads, D]`` (q and k heads alike) at ``positions [T]``."""
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, rot_dim]`` at ``positions [T]`` in ``dtype``:
+        looked up once per forward, shared by every layer."""
         assert self._cos_sin is not None
         if self._cos_sin.device != positions.device:
             self._cos_sin = self._cos_sin.to(positions.device)
-        cos_sin = self._cos_sin[positions].unsqueeze(1).to(x.dtype)  # [T, 1, 2 * rot_dim]
+        cos_sin = self._cos_sin[positions].unsqueeze(1).to(dtype)  # [T, 1, 2 * rot_dim]
         cos, sin = cos_sin.chunk(2, dim=-1)
+        return cos, sin
+
+    def rotate(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``x [T, heads, D]`` (q and k heads alike) rotated by ``at(positions)``."""
+        cos, sin = cos_sin
         half = self.rot_dim // 2
         if self.rot_dim == x.shape[-1]:
             return x * cos + x.roll(half, dims=-1) * sin
         rot, rest = x[..., : self.rot_dim], x[..., self.rot_dim :]
         return torch.cat([rot * cos + rot.roll(half, dims=-1) * sin, rest], dim=-1)
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotates ``x [T, heads, D]`` at ``positions [T]``."""
+        return self.rotate(x, self.at(positions, x.dtype))

@@ -54,9 +54,10 @@ class DecoderAttention(nn.Module):
             self.qk_norm_weight = w.contiguous()
 
     def project(
-        self, x: torch.Tensor, positions: torch.Tensor
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Normed, rotated queries and keys and the values ``[T, heads, D]``."""
+        """Normed, rotated queries and keys and the values ``[T, heads, D]``
+        (``rope``: ``RotaryEmbedding.at`` the batch's positions)."""
         t = x.shape[0]
         # F.linear on the weights directly: module calls cost more than the
         # matmuls of a small model at decode batch sizes.
@@ -66,7 +67,7 @@ class DecoderAttention(nn.Module):
         qk, v = heads[:, :n_qk], heads[:, n_qk:]
         if self.qk_norm_weight is not None:
             qk = rms_norm(qk, self.qk_norm_weight, self.eps)
-        qk = self.rotary(positions, qk)
+        qk = self.rotary.rotate(qk, rope)
         return qk[:, : self.num_heads], qk[:, self.num_heads :], v
 
 
@@ -93,10 +94,10 @@ class DecoderLayer(nn.Module):
 
 
 def before_attention(
-    layer: DecoderLayer, h: torch.Tensor, positions: torch.Tensor
+    layer: DecoderLayer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's dense part before attention: input norm, q|k|v, q/k norms, RoPE."""
-    return layer.self_attn.project(layer.input_layernorm.forward(h), positions)
+    return layer.self_attn.project(layer.input_layernorm.forward(h), rope)
 
 
 def after_attention(layer: DecoderLayer, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
@@ -110,7 +111,7 @@ def after_attention(layer: DecoderLayer, h: torch.Tensor, o: torch.Tensor) -> to
 class DecoderBody(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_position)
+        self.rotary = rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_position)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             [DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers)]
@@ -150,8 +151,9 @@ class DecoderForCausalLM(nn.Module):
         embedding output)."""
         h = self.model.embed_tokens(input_ids)
         captured = [h] if -1 in capture_layer_ids else []
+        rope = self.model.rotary.at(meta.positions, h.dtype)  # one lookup for every layer
         for i, layer in enumerate(self.model.layers):
-            q, k, v = self._before(layer, h, meta.positions)
+            q, k, v = self._before(layer, h, rope)
             o = backend.forward(i, q, k, v, meta)  # [T, H, D]
             h = self._after(layer, h, o)
             if i in capture_layer_ids:

@@ -42,23 +42,32 @@ class MarkovHead(nn.Module):
         return like.new_zeros(n, self.rank) if self.kind == "rnn" else None
 
     def step(
-        self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None
+        self,
+        prev: torch.Tensor,
+        h: torch.Tensor,
+        state: torch.Tensor | None,
+        base: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """``prev [n]`` token before the slot, ``h [n, d]`` the slot's output ->
-        logit correction ``[n, V]``, the next state, and ``W1[prev] [n, r]``."""
+        logit correction ``[n, V]`` (float32, added to ``base [n, V]`` when
+        given: one matmul-add), the next state, and ``W1[prev] [n, r]``."""
         # F.* on the weights: module calls cost more than these small ops.
-        w2 = self.markov_w2.weight
         e = F.embedding(prev, self.markov_w1.weight)  # [n, r]
         if self.kind == "vanilla":
-            return F.linear(e, w2), state, e
-        if self.kind == "gated":
-            g = torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1)))
-            return F.linear(g * e, w2), state, e
-        assert state is not None
-        gate, cand, out = self.joint_proj(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)
-        keep = torch.sigmoid(gate)
-        state = keep * state + (1 - keep) * torch.tanh(cand)
-        return F.linear(torch.tanh(out), w2), state, e
+            z = e
+        elif self.kind == "gated":
+            z = torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1))) * e
+        else:
+            assert state is not None
+            gate, cand, out = self.joint_proj(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)
+            keep = torch.sigmoid(gate)
+            state = keep * state + (1 - keep) * torch.tanh(cand)
+            z = torch.tanh(out)
+        w2 = self.markov_w2.weight  # [V, r]
+        if base is not None and z.dtype == base.dtype:
+            return torch.addmm(base, z, w2.t()), state, e
+        bias = F.linear(z, w2).float()
+        return (bias if base is None else base + bias), state, e
 
 
 class ConfidenceHead(nn.Module):
@@ -117,8 +126,7 @@ class BlockDrafter(nn.Module):
         for k in range(g):
             logits = base[:, k]
             if self.use_markov:
-                bias, state, prev_embed = self.markov_head.step(prev, hidden[:, k], state)
-                logits = logits + bias.float()
+                logits, state, prev_embed = self.markov_head.step(prev, hidden[:, k], state, logits)
                 embeds.append(prev_embed)
             if all_greedy:  # no distribution to keep: one-hot drafts
                 choice = logits.argmax(dim=-1)
@@ -156,7 +164,7 @@ class BlockDrafter(nn.Module):
         for k in range(g):
             if self.use_markov:
                 bias, state, prev_embed = self.markov_head.step(p[:, k], h[:, k], state)
-                corrections.append(bias.float())
+                corrections.append(bias)
                 embeds.append(prev_embed)
         if corrections:
             logits = logits + torch.stack(corrections, dim=1)

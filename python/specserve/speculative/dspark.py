@@ -38,7 +38,7 @@ from specserve.speculative.base import DraftProposal, Proposer
 from specserve.speculative.block_drafter import BlockDrafter
 from specserve.speculative.confidence import SpsTable, budget_lengths, profile_sps, static_lengths
 from specserve.speculative.drafter_loader import LoadedDrafter, load_drafter, scratch_pages
-from specserve.speculative.dspark_model import Attend
+from specserve.speculative.dspark_model import Attend, ContextRows
 from specserve.speculative.dspark_v4_model import DSparkV4Config
 
 logger = logging.getLogger(__name__)
@@ -141,11 +141,14 @@ class DSparkProposer(Proposer):
             self.block_pool.release([p for p in st.pages if p >= 0])
         req.draft_state = None
 
-    def _flush(self, reqs: Sequence[Req]) -> None:
-        """Turns pending features into cached context K/V, for all requests at once."""
+    def _pending(
+        self, reqs: Sequence[Req]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The pending features of ``reqs`` ``[n, m * d]``, their positions and
+        draft slots ``[n]`` (their pages covered); None when there are none."""
         todo = [r for r in reqs if r.draft_state is not None and r.draft_state.pending]
         if not todo:
-            return
+            return None
         ps = self.block_pool.page_size
         feats, positions, slots = [], [], []
         for r in todo:
@@ -157,15 +160,40 @@ class DSparkProposer(Proposer):
             slots.extend(page_slots(st.pages, st.ctx_len, end, ps))
         device = self.model.feature_weight.device
         features = torch.cat(feats).to(self.model.feature_weight.dtype)
-        pos_t = torch.tensor(positions, device=device)
-        slot_t = torch.tensor(slots, device=device)
-        for layer, (k, v) in enumerate(self.model.context_kv(features, pos_t)):
-            self.kv_pool.store(layer, slot_t, k, v)
-        # Only now, so that a step that fails above reruns this flush whole.
-        for r in todo:
+        return features, upload(positions, device), upload(slots, device)
+
+    def _context(self, reqs: Sequence[Req]) -> ContextRows | None:
+        """The pending features as context rows: the next block forward
+        computes and stores their K/V on its way."""
+        pending = self._pending(reqs)
+        if pending is None:
+            return None
+        features, positions, slots = pending
+
+        def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            self.kv_pool.store(layer, slots, k, v)
+
+        return ContextRows(self.model.context_hidden(features), positions, store)
+
+    def _flush(self, reqs: Sequence[Req]) -> None:
+        """Turns pending features into cached context K/V on their own (the
+        windowed drafter, which gathers its context before the block runs)."""
+        pending = self._pending(reqs)
+        if pending is not None:
+            features, positions, slots = pending
+            for layer, (k, v) in enumerate(self.model.context_kv(features, positions)):
+                self.kv_pool.store(layer, slots, k, v)
+        self._settle(reqs)
+
+    def _settle(self, reqs: Sequence[Req]) -> None:
+        """The pending features' K/V are in the pool: they are context now.
+        Only once the forward that stored them is done, so that a step that
+        fails reruns it whole."""
+        for r in reqs:
             st = r.draft_state
-            st.ctx_len, st.pending, st.pending_len = st.ctx_len + st.pending_len, [], 0
-            self._slide(st)
+            if st is not None and st.pending:
+                st.ctx_len, st.pending, st.pending_len = st.ctx_len + st.pending_len, [], 0
+                self._slide(st)
 
     def _slide(self, st: DSparkState) -> None:
         """A windowed drafter reads only the last ``window`` context positions."""
@@ -185,15 +213,17 @@ class DSparkProposer(Proposer):
 
     def _block_metadata(self, reqs: Sequence[Req]) -> AttentionMetadata:
         """The blocks as one non-causal paged batch: request ``i``'s block sits at
-        positions ``ctx_len .. ctx_len + gamma - 1`` of its draft pages."""
+        the positions after its context (pending features included), ``p ..
+        p + gamma - 1`` of its draft pages."""
         g, ps = self.max_drafts, self.block_pool.page_size
         positions, slots, kv_lens = [], [], []
         for r in reqs:
             st = r.draft_state
-            end = st.ctx_len + g
+            p = st.ctx_len + st.pending_len
+            end = p + g
             self._cover(st, end)
-            positions.extend(range(st.ctx_len, end))
-            slots.extend(page_slots(st.pages, st.ctx_len, end, ps))
+            positions.extend(range(p, end))
+            slots.extend(page_slots(st.pages, p, end, ps))
             kv_lens.append(end)
         device = self.model.feature_weight.device
         return AttentionMetadata(
@@ -242,19 +272,26 @@ class DSparkProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> DraftProposal:
-        self._flush(reqs)
+        context = None
+        if self.model.window is not None:
+            self._flush(reqs)
+            attend = self._window_attend(reqs)
+        else:  # the pending context's K/V come with the block's forward
+            context = self._context(reqs)
+            attend = self._paged_attend(self._block_metadata(reqs))
         for r in reqs:
-            assert r.draft_state is not None and r.draft_state.ctx_len == r.seq_len - 1, (
+            st = r.draft_state
+            assert st is not None and st.ctx_len + st.pending_len == r.seq_len - 1, (
                 "the draft context must cover every position before the anchor"
             )
         device = self.model.feature_weight.device
-        if self.model.window is not None:
-            attend = self._window_attend(reqs)
-        else:
-            attend = self._paged_attend(self._block_metadata(reqs))
         anchors = torch.tensor([r.output_ids[-1] for r in reqs], device=device)
         starts = torch.tensor([r.seq_len - 1 for r in reqs], device=device)
-        hidden = self.model.block_hidden(anchors, starts, attend, self.max_drafts)
+        if context is None:  # (a windowed drafter's block_hidden takes no context rows)
+            hidden = self.model.block_hidden(anchors, starts, attend, self.max_drafts)
+        else:
+            hidden = self.model.block_hidden(anchors, starts, attend, self.max_drafts, context)
+        self._settle(reqs)
         temps = torch.tensor(
             [r.sampling.temperature if not r.sampling.greedy else 0.0 for r in reqs], device=device
         )

@@ -133,32 +133,55 @@ class DraftAttention(nn.Module):
         return torch.cat([q, self.k_norm.weight.expand(self.num_kv_heads, -1)])
 
     def kv(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: RotaryEmbedding
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (normed, rotated) and values ``[..., Hkv, D]`` of ``x [..., d]``."""
+        """Keys (normed, rotated) and values ``[n, Hkv, D]`` of ``x [n, d]``."""
         q_size = self.num_heads * self.head_dim
-        kv = self.qkv(x, slice(q_size, None))
-        kv = kv.view(*x.shape[:-1], 2 * self.num_kv_heads, self.head_dim)
+        kv = self.qkv(x, slice(q_size, None)).view(x.shape[0], 2 * self.num_kv_heads, self.head_dim)
         k, v = kv.split(self.num_kv_heads, dim=-2)
         k = rms_norm(k, self._qk_norm_weight()[self.num_heads :], self.eps)
-        return _rope(rotary, positions, k), v
+        return rotary.rotate(k, rope), v
 
     def forward(
         self,
         x: torch.Tensor,  # [R, G, d] block
-        positions: torch.Tensor,  # [R, G]
+        rope: tuple[torch.Tensor, torch.Tensor],  # RoPE at the context rows', then the block's
         layer: int,
         attend: Attend,
         rotary: RotaryEmbedding,
+        context: ContextRows | None = None,
     ) -> torch.Tensor:
-        r, g, _ = x.shape
+        r, g, d = x.shape
+        rows = x.reshape(r * g, d)
+        n = 0
+        if context is not None:  # their K/V from the same matmul as the block's q|k|v
+            n = context.hidden.shape[0]
+            rows = torch.cat([context.hidden, rows])
         n_qk = self.num_heads + self.num_kv_heads
-        heads = self.qkv(x).view(r, g, -1, self.head_dim)  # [R, G, H + 2 * Hkv, D]
-        qk = rms_norm(heads[:, :, :n_qk], self._qk_norm_weight(), self.eps)
-        qk = _rope(rotary, positions, qk)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=-2)
-        o = attend(layer, q, k, heads[:, :, n_qk:])  # [R, G, H, D]
+        heads = self.qkv(rows).view(n + r * g, -1, self.head_dim)  # [N, H + 2 * Hkv, D]
+        qk = rotary.rotate(rms_norm(heads[:, :n_qk], self._qk_norm_weight(), self.eps), rope)
+        v = heads[:, n_qk:]
+        if context is not None:
+            context.store(layer, qk[:n, self.num_heads :], v[:n])
+        q, k = (
+            qk[n:]
+            .view(r, g, n_qk, self.head_dim)
+            .split([self.num_heads, self.num_kv_heads], dim=-2)
+        )
+        o = attend(layer, q, k, v[n:].view(r, g, self.num_kv_heads, self.head_dim))  # [R, G, H, D]
         return F.linear(o.reshape(r, g, -1), self.o_proj.weight, self.o_proj.bias)
+
+
+@dataclass
+class ContextRows:
+    """Context positions whose K/V a block forward computes on its way (serving:
+    the features committed since the last draft): ``hidden_norm(fc(features))``
+    rows join each layer's q|k|v matmul, and ``store`` puts their K/V in the
+    draft pool before the block attends to it."""
+
+    hidden: torch.Tensor  # [n, d]
+    positions: torch.Tensor  # [n]
+    store: Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, k, v [n, Hkv, D])
 
 
 # (layer, q [R, G, H, D], the block's k / v [R, G, Hkv, D]) -> [R, G, H, D]:
@@ -189,12 +212,6 @@ def dense_attend(
         return o.transpose(1, 2)
 
     return attend
-
-
-def _rope(rotary: RotaryEmbedding, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """RoPE for ``x [..., heads, D]`` at ``positions [...]``."""
-    flat = x.reshape(-1, *x.shape[-2:])
-    return rotary(positions.reshape(-1), flat).view(x.shape)
 
 
 class DraftLayer(nn.Module):
@@ -275,8 +292,13 @@ class DSparkDraftModel(BlockDrafter):
         self, features: torch.Tensor, positions: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, keys/values ``[n, Hkv, D]`` of context features ``[n, m * d]``."""
-        h_ctx = self.hidden_norm(self.fc(features))  # [n, d], the same for every layer
-        return [layer.self_attn.kv(h_ctx, positions, self.rotary) for layer in self.layers]
+        h_ctx = self.context_hidden(features)  # [n, d], the same for every layer
+        rope = self.rotary.at(positions, h_ctx.dtype)
+        return [layer.self_attn.kv(h_ctx, rope, self.rotary) for layer in self.layers]
+
+    def context_hidden(self, features: torch.Tensor) -> torch.Tensor:
+        """``[n, m * d]`` captured target layers -> the fused context state ``[n, d]``."""
+        return self.hidden_norm(self.fc(features))
 
     # ---- the block ----------------------------------------------------------
 
@@ -286,15 +308,24 @@ class DSparkDraftModel(BlockDrafter):
         starts: torch.Tensor,  # [R]: each anchor's position p
         attend: Attend,
         block_size: int,
+        context: ContextRows | None = None,
     ) -> torch.Tensor:
-        """Final-normed outputs ``[R, gamma, d]`` of the blocks ``[anchor, mask...]``."""
+        """Final-normed outputs ``[R, gamma, d]`` of the blocks ``[anchor, mask...]``
+        (and, on the way, the K/V of ``context``'s rows)."""
         r = anchors.shape[0]
         ids = torch.full((r, block_size), self.config.mask_token_id, device=anchors.device)
         ids[:, 0] = anchors
         positions = starts[:, None] + torch.arange(block_size, device=anchors.device)  # [R, G]
         x = self.embed_tokens(ids)
+        flat = positions.reshape(-1)
+        if context is not None:
+            flat = torch.cat([context.positions, flat])
+        rope = self.rotary.at(flat, x.dtype)  # one lookup for every layer
         for i, layer in enumerate(self.layers):
-            x = x + layer.self_attn(layer.input_layernorm(x), positions, i, attend, self.rotary)
+            attn = layer.self_attn(
+                layer.input_layernorm(x), rope, i, attend, self.rotary, context
+            )  # fmt: skip
+            x = x + attn
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
@@ -312,10 +343,13 @@ class DSparkDraftModel(BlockDrafter):
         b, t = input_ids.shape
         a = anchors.shape[1]
         positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        h_ctx = self.hidden_norm(self.fc(features))  # [B, T, d]
+        h_ctx = self.context_hidden(features).reshape(b * t, -1)  # [B * T, d]
+        rope = self.rotary.at(positions.reshape(-1), h_ctx.dtype)
         ctx = []
         for layer in self.layers:
-            k, v = layer.self_attn.kv(h_ctx, positions, self.rotary)  # [B, T, Hkv, D]
+            k, v = (
+                x.view(b, t, *x.shape[1:]) for x in layer.self_attn.kv(h_ctx, rope, self.rotary)
+            )  # [B, T, Hkv, D]
             ctx.append(
                 tuple(
                     x[:, None].expand(b, a, *x.shape[1:]).reshape(b * a, *x.shape[1:])
