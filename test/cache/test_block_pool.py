@@ -23,3 +23,14 @@ def test_allocate_and_release() -> None:
 def test_empty_pool_is_an_error() -> None:
     with pytest.raises(ValueError, match="at least one page"):
         BlockPool(0, 16)
+
+
+def test_released_pages_come_back_as_one_ascending_run() -> None:
+    """A lone request reallocated after another keeps one contiguous run of
+    pages (the torch attention backend reads such a run as a view)."""
+    pool = BlockPool(16, 4)
+    first = [p for _ in range(5) for p in pool.allocate(1)]  # grown a page at a time
+    assert first == list(range(5))
+    pool.release(first)
+    again = [p for _ in range(7) for p in pool.allocate(1)]
+    assert again == list(range(7))

@@ -32,12 +32,16 @@ BATCHES = {
     "mixed": [(9, 1), (2, 1), (6, 5), (5, 20), (0, 7)],
     "chains-only": [(9, 5), (3, 5), (12, 5)],  # the whole batch as views
     "ragged-chains": [(9, 5), (3, 2), (12, 8)],  # padded to the longest
+    # One request: its pages in one ascending run are read as a view of the pool.
+    "lone-decode": [(9, 1)],
+    "lone-chain": [(9, 5)],
 }
 
 
+@pytest.mark.parametrize("in_order", [False, True], ids=["pages-reversed", "pages-in-order"])
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_mixed_batch_matches_dense_attention(dtype, batch) -> None:
+def test_mixed_batch_matches_dense_attention(dtype, batch, in_order) -> None:
     g = torch.Generator().manual_seed(0)
     shapes = BATCHES[batch]
     pool = KVPool(1, 64, PS, HKV, D, dtype, "cpu")
@@ -46,7 +50,8 @@ def test_mixed_batch_matches_dense_attention(dtype, batch) -> None:
     full_k, full_v = [], []
     for prefix, n in shapes:
         pages = -(-(prefix + n) // PS)
-        tables.append(list(range(page, page + pages))[::-1])  # pages out of order
+        run = list(range(page + 1, page + 1 + pages))
+        tables.append(run if in_order else run[::-1])
         page += pages
         full_k.append(torch.randn(prefix + n, HKV, D, generator=g).to(dtype))
         full_v.append(torch.randn(prefix + n, HKV, D, generator=g).to(dtype))
@@ -72,7 +77,8 @@ def test_mixed_batch_matches_dense_attention(dtype, batch) -> None:
     plan = meta.plan
     for bias in (plan.single_bias, plan.chain_bias):  # masks in the queries' dtype
         assert bias is None or (bias.dtype == dtype and bias.device.type == "cpu")
-    assert plan.chain_whole == (batch == "chains-only")
+    assert plan.chain_whole == (batch in ("chains-only", "lone-chain"))
+    assert (plan.span is not None) == (batch.startswith("lone") and in_order)
     q = torch.randn(len(positions), H, D, generator=g).to(dtype)
     new_k = torch.cat([k[p:] for (p, _), k in zip(shapes, full_k)])
     new_v = torch.cat([v[p:] for (p, _), v in zip(shapes, full_v)])

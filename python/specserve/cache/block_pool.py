@@ -86,7 +86,10 @@ class BlockPool:
         return pages
 
     def release(self, pages: list[int]) -> None:
-        for p in pages:
+        # Back in reverse, so that the next allocations pop them in their old
+        # order: a lone request's pages stay one contiguous run (which the
+        # torch attention backend reads as a view instead of a gather).
+        for p in reversed(pages):
             assert self._taken[p], f"page {p} released twice"
             self._taken[p] = False
             self._free.append(p)

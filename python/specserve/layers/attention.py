@@ -89,6 +89,9 @@ class _TorchPlan:
     # The batch is exactly its chains, all of one length: q and the output are
     # views, no gather or scatter.
     chain_whole: bool = False
+    # One request whose pages are one ascending run: its keys and values are
+    # the pool's slots ``[start, stop)``, read as a view (no gather).
+    span: tuple[int, int] | None = None
 
 
 # Chains up to this long share one padded SDPA call; longer chunks go one by one.
@@ -138,6 +141,8 @@ class TorchAttentionBackend(AttentionBackend):
         plan = _TorchPlan(single_rows, single_pages, single_bias, multi, causal=meta.causal)
         if chain_ids:
             self._plan_chains(plan, meta, chain_ids, starts)
+        if len(meta.q_lens) == 1 and not multi:
+            plan.span = _run_span(page_tensor(meta.page_tables[0], meta.kv_lens[0], ps), ps)
         meta.plan = plan
 
     def _plan_chains(
@@ -174,8 +179,13 @@ class TorchAttentionBackend(AttentionBackend):
         # (SDPA would turn a boolean mask into one in each call).
         plan.chain_bias = padding_bias(past, self.kv_pool.dtype, device)[:, None]
 
-    def _gather(self, cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
-        """``[..., P]`` page ids -> ``[..., P * page_size, Hkv, D]`` keys or values."""
+    def _gather(
+        self, cache: torch.Tensor, pages: torch.Tensor, page_size: int, span: tuple[int, int] | None
+    ) -> torch.Tensor:
+        """``[..., P]`` page ids -> ``[..., P * page_size, Hkv, D]`` keys or values
+        (a view of the pool when they are the one run ``span``)."""
+        if span is not None:
+            return cache[span[0] : span[1]].view(*pages.shape[:-1], -1, *cache.shape[1:])
         paged = cache.view(-1, page_size, *cache.shape[1:])  # [num_pages, ps, Hkv, D]
         rows = paged.index_select(0, pages.flatten())
         return rows.view(*pages.shape[:-1], pages.shape[-1] * page_size, *cache.shape[1:])
@@ -192,8 +202,8 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         if plan.single_pages is not None:
             qs = q if plan.single_rows is None else q[plan.single_rows]  # [Bs, H, D]
-            ks = self._gather(k_cache, plan.single_pages, ps)  # [Bs, L, Hkv, D]
-            vs = self._gather(v_cache, plan.single_pages, ps)
+            ks = self._gather(k_cache, plan.single_pages, ps, plan.span)  # [Bs, L, Hkv, D]
+            vs = self._gather(v_cache, plan.single_pages, ps, plan.span)
             o = _decode_attention(qs, ks, vs, plan.single_bias)  # [Bs, H, D]
             if plan.single_rows is None:
                 out = o
@@ -203,8 +213,9 @@ class TorchAttentionBackend(AttentionBackend):
             bc = plan.chain_pages.shape[0]
             whole = plan.chain_whole
             qc = q.view(bc, -1, *q.shape[1:]) if whole else q[plan.chain_index]  # [Bc, Qmax, H, D]
-            kc = self._gather(k_cache, plan.chain_pages, ps).transpose(1, 2)  # [Bc, Hkv, L, D]
-            vc = self._gather(v_cache, plan.chain_pages, ps).transpose(1, 2)
+            kc = self._gather(k_cache, plan.chain_pages, ps, plan.span)  # [Bc, L, Hkv, D]
+            vc = self._gather(v_cache, plan.chain_pages, ps, plan.span)
+            kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)  # [Bc, Hkv, L, D]
             o = F.scaled_dot_product_attention(
                 qc.transpose(1, 2), kc, vc, attn_mask=plan.chain_bias, enable_gqa=gqa
             ).transpose(1, 2)  # [Bc, Qmax, H, D]
@@ -221,8 +232,8 @@ class TorchAttentionBackend(AttentionBackend):
                     qm, km, vm, is_causal=plan.causal, enable_gqa=gqa
                 )
             else:
-                km = self._gather(k_cache, pages, ps).transpose(0, 1)  # [Hkv, P * ps, D]
-                vm = self._gather(v_cache, pages, ps).transpose(0, 1)
+                km = self._gather(k_cache, pages, ps, None).transpose(0, 1)  # [Hkv, P * ps, D]
+                vm = self._gather(v_cache, pages, ps, None).transpose(0, 1)
                 # Bottom-right aligned causal mask: query i sits at kv_len - q_len + i;
                 # the gathered tail past kv_len is masked by the same test.
                 qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)
@@ -232,6 +243,16 @@ class TorchAttentionBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(qm, km, vm, attn_mask=mask, enable_gqa=gqa)
             out[start : start + q_len] = o.transpose(0, 1)
         return out
+
+
+def _run_span(pages: list[int], page_size: int) -> tuple[int, int] | None:
+    """The slots ``[start, stop)`` of ``pages`` if they are one ascending run."""
+    if not pages or pages[0] < 0:  # (-1: a page slid out of a window)
+        return None
+    first = pages[0]
+    if any(p != first + i for i, p in enumerate(pages)):
+        return None
+    return first * page_size, (first + len(pages)) * page_size
 
 
 def _decode_attention(
