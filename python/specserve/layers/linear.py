@@ -35,7 +35,9 @@ class FusedLinears:
         self.bias: torch.Tensor | None = None
 
     def fuse_(self) -> None:
+        """Serving: one weight (K-major on the CPU, see ``k_major_``)."""
         self.weight, self.bias = self._joined()
+        k_major_(self.weight)
         offset = 0
         for lin in self.linears:
             rows = slice(offset, offset + lin.weight.shape[0])

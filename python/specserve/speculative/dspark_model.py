@@ -277,11 +277,12 @@ class DSparkDraftModel(BlockDrafter):
         return self.lm_head(hidden)
 
     def post_load(self) -> None:
-        """After the weights are in: the vocabulary-wide weights K-major on the
-        CPU (see ``k_major_``)."""
+        """After the weights are in: the fused projections, and the weights whose
+        matmuls run faster K-major laid so on the CPU (see ``k_major_``)."""
         self.lm_head.post_load()
         for layer in self.layers:
             layer.self_attn.post_load()
+            k_major_(layer.self_attn.o_proj.weight)
             layer.mlp.gate_up.fuse_()
         if self.markov_head is not None:
             k_major_(self.markov_head.markov_w2.weight)
