@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specserve.kernels.chain_verify import (
+    row_argmax,
     HAS_TRITON,
     greedy_verify,
     greedy_verify_ref,
@@ -478,3 +479,18 @@ def test_nan_logits_are_never_the_greedy_token_on_both_paths() -> None:
     for fn in (greedy_verify_ref, lambda *a: greedy_verify_triton(*a, block_v=16)):
         accept, nxt = fn(logits, row_starts, drafts, lengths)
         assert accept.tolist() == [2, 2] and nxt.tolist() == [int(best[2]), int(best[5])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_row_argmax_is_torch_argmax(dtype) -> None:
+    """The CPU fast path (NumPy) returns torch's index: the first maximum,
+    NaN as the maximum, on strided rows and on tensors that require grad."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 5, (6, 3, 40), generator=g).to(dtype)  # many ties
+    x[1, 0, 7] = float("nan")
+    x[2, 1, 3] = x[2, 1, 30] = float("nan")
+    x[3, 2] = float("-inf")
+    for rows in (x, x[:, 1], x.transpose(0, 1)):  # contiguous, strided, transposed
+        torch.testing.assert_close(row_argmax(rows), rows.argmax(dim=-1), rtol=0, atol=0)
+    w = torch.randn(4, 9, generator=g, requires_grad=True)
+    assert torch.equal(row_argmax(w), w.argmax(dim=-1))

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.kernels.chain_verify import row_argmax
 from specserve.sampling.sampler import exponential_race
 
 
@@ -129,7 +130,7 @@ class BlockDrafter(nn.Module):
                 logits, state, prev_embed = self.markov_head.step(prev, hidden[:, k], state, logits)
                 embeds.append(prev_embed)
             if all_greedy:  # no distribution to keep: one-hot drafts
-                choice = logits.argmax(dim=-1)
+                choice = row_argmax(logits)
             else:
                 p = torch.softmax(logits / torch.where(greedy, 1.0, temperatures)[:, None], dim=-1)
                 choice = _draw(p, logits, sampled_rows, noise, shared)
@@ -181,7 +182,7 @@ def _draw(
 ) -> torch.Tensor:
     """Argmax for greedy rows; the sampler's exponential race (seeded rows
     from their own generator) for the ``sampled`` ones."""
-    out = logits.argmax(dim=-1)
+    out = row_argmax(logits)
     generators = [None if noise is None else noise[i] for i in sampled]
     out[sampled] = exponential_race(probs[sampled], generators, shared)
     return out

@@ -68,6 +68,13 @@ def verify_chains(
     read back to the host."""
     assert chains, "no chains to verify"
     device = chains[0].logits.device
+    greedy = [i for i, c in enumerate(chains) if c.params.greedy]
+    greedy_out = None
+    if greedy:
+        rows = torch.cat([chains[i].logits for i in greedy])
+        greedy_out = greedy_verify(rows, *_layout([chains[i] for i in greedy], device), backend)
+        if len(greedy) == len(chains):  # every chain, in order: nothing to place
+            return ChainOutcome(greedy_out[0].to(torch.int64), greedy_out[1].to(torch.int64))
     accept = torch.zeros(len(chains), dtype=torch.int64, device=device)
     nxt = torch.zeros(len(chains), dtype=torch.int64, device=device)
 
@@ -75,13 +82,8 @@ def verify_chains(
         index = upload(group, device)
         accept[index], nxt[index] = out[0].to(torch.int64), out[1].to(torch.int64)
 
-    greedy = [i for i, c in enumerate(chains) if c.params.greedy]
-    if greedy:
-        rows = torch.cat([chains[i].logits for i in greedy])
-        place(
-            greedy,
-            greedy_verify(rows, *_layout([chains[i] for i in greedy], device), backend=backend),
-        )
+    if greedy_out is not None:
+        place(greedy, greedy_out)
     for one_hot in (True, False):
         group = [
             i for i, c in enumerate(chains) if not c.params.greedy and (c.q is None) == one_hot
