@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from specserve.kernels.chain_verify import (
-    row_argmax,
     HAS_TRITON,
     greedy_verify,
     greedy_verify_ref,
@@ -15,6 +14,7 @@ from specserve.kernels.chain_verify import (
     rejection_verify,
     rejection_verify_ref,
     rejection_verify_triton,
+    row_argmax,
 )
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
