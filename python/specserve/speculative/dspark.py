@@ -176,8 +176,9 @@ class DSparkProposer(Proposer):
         return ContextRows(self.model.context_hidden(features), positions, store)
 
     def _flush(self, reqs: Sequence[Req]) -> None:
-        """Turns pending features into cached context K/V on their own (the
-        windowed drafter, which gathers its context before the block runs)."""
+        """Turns pending features into cached context K/V on their own (a
+        prompt's, and the windowed drafter's, which gathers its context
+        before the block runs)."""
         pending = self._pending(reqs)
         if pending is not None:
             features, positions, slots = pending
@@ -276,8 +277,14 @@ class DSparkProposer(Proposer):
         if self.model.window is not None:
             self._flush(reqs)
             attend = self._window_attend(reqs)
-        else:  # the pending context's K/V come with the block's forward
-            context = self._context(reqs)
+        else:
+            # A round's commits (a few rows per request) ride the block's
+            # forward; a prompt's features (whole prefills) take the K/V-only
+            # pass, which does not compute queries for them.
+            if all(_pending_len(r) <= self.max_drafts + 1 for r in reqs):
+                context = self._context(reqs)
+            else:
+                self._flush(reqs)
             attend = self._paged_attend(self._block_metadata(reqs))
         for r in reqs:
             st = r.draft_state
@@ -321,6 +328,10 @@ class DSparkProposer(Proposer):
         if self.sps is not None:
             return budget_lengths(proposal.confidence, self.sps)
         return static_lengths(proposal.confidence, self.threshold)
+
+
+def _pending_len(req: Req) -> int:
+    return 0 if req.draft_state is None else req.draft_state.pending_len
 
 
 def profile_runner(runner: ModelRunner, block: int, max_running: int) -> SpsTable:

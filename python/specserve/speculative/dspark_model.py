@@ -175,7 +175,7 @@ class DraftAttention(nn.Module):
 @dataclass
 class ContextRows:
     """Context positions whose K/V a block forward computes on its way (serving:
-    the features committed since the last draft): ``hidden_norm(fc(features))``
+    the few features a round committed): ``hidden_norm(fc(features))``
     rows join each layer's q|k|v matmul, and ``store`` puts their K/V in the
     draft pool before the block attends to it."""
 
