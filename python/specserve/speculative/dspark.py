@@ -294,7 +294,7 @@ class DSparkProposer(Proposer):
         device = self.model.feature_weight.device
         anchors = torch.tensor([r.output_ids[-1] for r in reqs], device=device)
         starts = torch.tensor([r.seq_len - 1 for r in reqs], device=device)
-        if context is None:  # (a windowed drafter's block_hidden takes no context rows)
+        if context is None:  # (the windowed drafter's block_hidden takes no context rows)
             hidden = self.model.block_hidden(anchors, starts, attend, self.max_drafts)
         else:
             hidden = self.model.block_hidden(anchors, starts, attend, self.max_drafts, context)

@@ -323,10 +323,8 @@ class DSparkDraftModel(BlockDrafter):
             flat = torch.cat([context.positions, flat])
         rope = self.rotary.at(flat, x.dtype)  # one lookup for every layer
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn(
-                layer.input_layernorm(x), rope, i, attend, self.rotary, context
-            )  # fmt: skip
-            x = x + attn
+            h = layer.input_layernorm(x)
+            x = x + layer.self_attn(h, rope, i, attend, self.rotary, context)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 

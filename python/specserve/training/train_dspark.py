@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.speculative.dspark_model import ARCHITECTURE, DSparkConfig, DSparkDraftModel
@@ -365,18 +367,17 @@ def _earlier_entry_wins(model) -> None:
 
 
 def _init_v4_weights(model: DSparkV4DraftModel, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
+    def leaf(name: str) -> str:
+        return name.rsplit(".", 1)[-1]
+
+    _init_params(
+        model,
+        seed,
+        frozen=("embed.", "head."),
+        is_one=lambda n: n.endswith("norm.weight") or leaf(n) == "scale",
+        is_zero=lambda n: leaf(n) in ("bias", "base", "attn_sink"),
+    )
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith(("embed.", "head.")):
-                continue
-            leaf = name.rsplit(".", 1)[-1]
-            if name.endswith("norm.weight") or leaf == "scale":
-                p.fill_(1.0)
-            elif leaf in ("bias", "base", "attn_sink"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=g)
         for stage in model.stages:  # residual branches start small
             stage.attn.wo_b.weight.mul_(0.5)
             stage.ffn.experts.w2.mul_(0.5)
@@ -396,17 +397,36 @@ def _mask_token_id(tokenizer) -> int:
 
 
 def _init_weights(model: DSparkDraftModel, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
+    _init_params(
+        model,
+        seed,
+        frozen=("embed_tokens", "lm_head"),
+        is_one=lambda n: "norm" in n,
+        is_zero=lambda n: n.endswith("bias"),
+    )
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith(("embed_tokens", "lm_head")):
-                continue
-            if "norm" in name:
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=g)
         for layer in model.layers:  # residual branches start small
             layer.self_attn.o_proj.weight.mul_(0.5)
             layer.mlp.down_proj.weight.mul_(0.5)
+
+
+def _init_params(
+    model: nn.Module,
+    seed: int,
+    frozen: tuple[str, ...],
+    is_one: Callable[[str], bool],
+    is_zero: Callable[[str], bool],
+) -> None:
+    """A fresh drafter: ones, zeros or N(0, 0.02) by parameter name (seeded),
+    the target's shared embedding and head (``frozen`` prefixes) untouched."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith(frozen):
+                continue
+            if is_one(name):
+                p.fill_(1.0)
+            elif is_zero(name):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=g)
