@@ -113,6 +113,28 @@ def test_data_helpers_and_layer_choice(tmp_path) -> None:
     )
 
 
+def test_features_are_the_layer_outputs_the_engine_captures(trained, tmp_path) -> None:
+    """Embedding (-1), a middle layer and the last one, before the final norm:
+    against transformers' own hidden states (whose last entry is normed)."""
+    cfg = trained[0]
+    with open(os.path.join(cfg.target, "config.json")) as f:
+        n = json.load(f)["num_hidden_layers"]
+    ids = (-1, 0, n - 1)
+    trainer = DSparkTrainer(
+        DSparkTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "d"), "target_layer_ids": ids})
+    )
+    batch = trainer.batch(0)[:2]
+    feats, logits = trainer.features(batch)
+    with torch.no_grad():
+        out = trainer.target(batch, output_hidden_states=True)
+    hs, d = out.hidden_states, feats.shape[-1] // 3
+    torch.testing.assert_close(feats[..., :d], hs[0])
+    torch.testing.assert_close(feats[..., d : 2 * d], hs[1])
+    torch.testing.assert_close(trainer.target.model.norm(feats[..., 2 * d :]), hs[n])
+    torch.testing.assert_close(logits, out.logits.float())
+    assert trainer.draft_json["target_layer_ids"] == list(ids)
+
+
 @pytest.mark.gpu
 def test_training_runs_on_cuda_and_saves_cpu_weights(trained, tmp_path) -> None:
     cfg = trained[0]

@@ -62,7 +62,8 @@ class DSparkTrainConfig:
 
 def default_layer_ids(num_layers: int, count: int = 3) -> tuple[int, ...]:
     """``count`` target layers spread from the first to the second-to-last
-    (the last layer's output is normed and cannot be used)."""
+    (any layer may be chosen, the last one included: features are each
+    layer's output before the final norm)."""
     top = max(num_layers - 2, 0)
     if top == 0:
         return (0,)
@@ -139,7 +140,6 @@ class DSparkTrainer:
             _init_v4_weights(self.model, cfg.seed)
             self.model.embed = self.target.get_input_embeddings()
             self.model.head = self.target.get_output_embeddings()
-            self._hook_layer_outputs(dcfg.target_layer_ids)
             _earlier_entry_wins(self.target)
         else:
             self.draft_json = draft_config(cfg, tcfg, mask_id)
@@ -151,6 +151,7 @@ class DSparkTrainer:
             self.model.lm_head = self.target.get_output_embeddings()
         self.model.to(self.device)
         self.layer_ids = dcfg.target_layer_ids
+        self._hook_layer_outputs(self.layer_ids)
         eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
         stream = read_token_stream(
             cfg.data, lambda t: self.tokenizer.encode(t, add_special_tokens=False), eos
@@ -164,28 +165,29 @@ class DSparkTrainer:
         self._resume()
 
     def _hook_layer_outputs(self, layer_ids: tuple[int, ...]) -> None:
-        """DeepSeek-V4: each chosen layer's output streams, averaged (what the
-        engine captures; transformers' ``hidden_states`` ends with the normed
-        head input instead of the last layer's streams)."""
+        """Capture each chosen layer's output as the engine does: the residual
+        stream before any final norm (transformers' ``hidden_states`` ends with
+        the normed head input instead), DeepSeek-V4's streams averaged; -1 is
+        the embedding output."""
         self._captured: dict[int, torch.Tensor] = {}
         layers = self.target.model.layers
+
+        def keep(i: int, output) -> None:
+            h = output[0] if isinstance(output, tuple) else output
+            self._captured[i] = h.mean(dim=2) if self.v4 else h
+
+        if -1 in layer_ids:
+            self.target.get_input_embeddings().register_forward_hook(
+                lambda module, args, output: keep(-1, output)
+            )
         for i in layer_ids:
-
-            def hook(module, args, output, i=i) -> None:
-                streams = output[0] if isinstance(output, tuple) else output
-                self._captured[i] = streams.mean(dim=2)
-
-            layers[i].register_forward_hook(hook)
+            if i >= 0:
+                layers[i].register_forward_hook(lambda module, args, output, i=i: keep(i, output))
 
     def features(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's captured layers ``[B, T, m * d]`` and logits ``[B, T, V]``."""
-        if self.v4:
-            out = self.target(ids)
-            feats = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
-        else:
-            out = self.target(ids, output_hidden_states=True)
-            hs = out.hidden_states
-            feats = torch.cat([hs[0 if i == -1 else i + 1] for i in self.layer_ids], dim=-1)
+        out = self.target(ids)
+        feats = torch.cat([self._captured.pop(i) for i in self.layer_ids], dim=-1)
         return feats, out.logits.float()
 
     # ---- one step -----------------------------------------------------------------
