@@ -34,17 +34,32 @@ class DemoConfig:
     work: str  # intermediate files
     vocab_size: int = 8192
     pretrain_steps: int = 1300
-    drafter_steps: int = 2000
+    drafter_steps: int = 4000
     drafter_layers: int = 2
+    drafter_layer_ids: tuple[int, ...] = (1, 3, 5)  # the target layers the drafters read
     drafter_anchors: int = 16
     markov_rank: int = 32
     block_size: int = 7
-    gen_prompts: int = 4096
+    gen_prompts: int = 8192
     gen_prompt_len: int = 64
     gen_new_tokens: int = 192
     eval_prompts: int = 32
     eval_new_tokens: int = 128
     seed: int = SEED
+
+
+def drafter_train_config(cfg: DemoConfig, name: str, rank: int):
+    """The ``train-dspark`` settings of the demo's drafter ``name`` (``rank`` 0:
+    DFlash); the two drafters differ only in the heads."""
+    from specserve.training.train_dspark import DSparkTrainConfig
+
+    return DSparkTrainConfig(
+        target=os.path.join(cfg.work, "target"), data=(os.path.join(cfg.work, "drafter_data.jsonl"),),
+        out=os.path.join(cfg.work, name), block_size=cfg.block_size, num_layers=cfg.drafter_layers,
+        markov_rank=rank, confidence_head=rank > 0, target_layer_ids=cfg.drafter_layer_ids,
+        steps=cfg.drafter_steps, seq_len=256, batch_size=8, anchors=cfg.drafter_anchors, lr=2e-3,
+        seed=cfg.seed, save_every=100, save_embeddings=False, dtype="float16",
+    )  # fmt: skip
 
 
 def corpus_files() -> tuple[list[str], list[str]]:
@@ -80,7 +95,7 @@ def build_demo(cfg: DemoConfig, log=print) -> dict:
     from specserve.tools.tiny_model import save_tokenizer, stdlib_corpus, train_bpe
     from specserve.training.data import write_jsonl
     from specserve.training.pretrain import PretrainConfig, pretrain
-    from specserve.training.train_dspark import DSparkTrainConfig, DSparkTrainer
+    from specserve.training.train_dspark import DSparkTrainer
 
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.work, exist_ok=True)
@@ -178,13 +193,7 @@ def build_demo(cfg: DemoConfig, log=print) -> dict:
     stage("drafter_data", make_data)
 
     def make_drafter(name: str, rank: int) -> dict:
-        dcfg = DSparkTrainConfig(
-            target=target_dir, data=(data_path,), out=os.path.join(cfg.work, name),
-            block_size=cfg.block_size, num_layers=cfg.drafter_layers, markov_rank=rank,
-            confidence_head=rank > 0, steps=cfg.drafter_steps, seq_len=256, batch_size=8,
-            anchors=cfg.drafter_anchors, lr=2e-3, seed=cfg.seed, save_every=100, save_embeddings=False,
-            dtype="float16",
-        )  # fmt: skip
+        dcfg = drafter_train_config(cfg, name, rank)
         history = DSparkTrainer(dcfg).train()
         last = history[-20:] or [None]
         return {

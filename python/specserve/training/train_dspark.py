@@ -174,7 +174,7 @@ class DSparkTrainer:
 
         def keep(i: int, output) -> None:
             h = output[0] if isinstance(output, tuple) else output
-            self._captured[i] = h.mean(dim=2) if self.v4 else h
+            self._captured[i] = h.mean(dim=2) if h.dim() == 4 else h  # [B, T, streams, d]
 
         if -1 in layer_ids:
             self.target.get_input_embeddings().register_forward_hook(
