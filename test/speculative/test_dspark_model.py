@@ -213,7 +213,7 @@ def test_startup_errors(drafters, tmp_path) -> None:
         ),
         (
             dict(
-                speculative_draft_model_path=edited(path, str(tmp_path / "b"), target_layer_ids=[1])
+                speculative_draft_model_path=edited(path, str(tmp_path / "b"), target_layer_ids=[2])
             ),
             "target_layer_ids",
         ),

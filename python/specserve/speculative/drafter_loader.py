@@ -99,11 +99,11 @@ def _check_compatible(dcfg: DSparkConfig, hidden: int, vocab: int, num_layers: i
         not ids
         or any(b <= a for a, b in zip(ids, ids[1:]))
         or ids[0] < -1
-        or ids[-1] > num_layers - 2
+        or ids[-1] > num_layers - 1
     ):
         raise ValueError(
             f"speculative_draft_model_path: target_layer_ids {list(ids)} must be strictly increasing "
-            f"in [-1, {num_layers - 2}] (the last layer's output is normed and cannot be used)"
+            f"in [-1, {num_layers - 1}]"
         )
 
 
