@@ -267,6 +267,8 @@ class SpecConfig:
     sps_table_path: str | None = None  # budget mode: steps/s per verify batch size
     ngram_max_match: int = 4
     ngram_min_match: int = 1
+    # DSpark/DFlash: the hot vocabulary drafts come from (SGLang's token map).
+    token_map: str | None = None
 
     def __post_init__(self) -> None:
         alg = self.algorithm
@@ -289,6 +291,11 @@ class SpecConfig:
         if self.schedule not in ("static", "budget"):
             raise ValueError(
                 f"speculative_dspark_schedule must be static or budget, got {self.schedule!r}"
+            )
+        if self.token_map and self.algorithm not in ("DSPARK", "DFLASH"):
+            raise ValueError(
+                "speculative_token_map: only DSPARK and DFLASH draft from a model's vocabulary, "
+                f"got speculative_algorithm {self.algorithm}"
             )
         if not 1 <= self.ngram_min_match <= self.ngram_max_match:
             raise ValueError(
@@ -315,6 +322,7 @@ SPEC_ARG_NAMES = {
     "speculative_dspark_sps_table_path": "sps_table_path",
     "speculative_ngram_max_match": "ngram_max_match",
     "speculative_ngram_min_match": "ngram_min_match",
+    "speculative_token_map": "token_map",
 }
 
 

@@ -154,6 +154,71 @@ def test_markov_heads_follow_their_equations(drafters) -> None:
             prev = int(logits.argmax())
 
 
+def test_a_token_map_drafts_from_its_tokens_alone(drafters, tmp_path) -> None:
+    """Greedy drafts are the argmax of the full-vocabulary logits (the
+    equations above) over the map's tokens; sampled drafts come from a
+    distribution that is zero off them."""
+    hot = torch.arange(7, 528, 5)
+    torch.save(hot.flip(0).tolist(), tmp_path / "map.pt")  # any order; read back ascending
+    prop, _ = proposer_for(drafters["vanilla"], speculative_token_map=str(tmp_path / "map.pt"))
+    m, mh = prop.model, prop.model.markov_head
+    assert torch.equal(m.hot_ids, hot)
+    hidden = torch.randn(
+        3, prop.max_drafts, m.config.hidden_size, generator=torch.Generator().manual_seed(4)
+    )
+    anchors = torch.tensor([9, 12, 40])
+    tokens, _, _ = m.draft(hidden, anchors, torch.zeros(3))
+    off = torch.ones(m.config.vocab_size, dtype=torch.bool)
+    off[hot] = False
+    for i in range(3):
+        prev = int(anchors[i])
+        for k in range(prop.max_drafts):
+            logits = (
+                m.lm_head.weight @ hidden[i, k] + mh.markov_w2.weight @ mh.markov_w1.weight[prev]
+            )
+            prev = int(logits.masked_fill(off, float("-inf")).argmax())
+            assert int(tokens[i, k]) == prev
+    temps = [1.0, 0.0, 0.7]
+    gens = [torch.Generator().manual_seed(s) for s in range(3)]
+    tokens, q, _ = m.draft(hidden, anchors, torch.tensor(temps), gens)
+    assert q is not None and q.shape == (3, prop.max_drafts, m.config.vocab_size)
+    assert bool(torch.isin(tokens, hot).all())
+    for i in range(3):  # q: the softmax over the map's tokens that each draft was drawn from
+        prev = int(anchors[i])
+        for k in range(prop.max_drafts):
+            logits = (
+                m.lm_head.weight @ hidden[i, k] + mh.markov_w2.weight @ mh.markov_w1.weight[prev]
+            )
+            expect = torch.zeros(m.config.vocab_size)
+            if temps[i] == 0:
+                expect[int(tokens[i, k])] = 1.0
+            else:
+                expect[hot] = torch.softmax(logits[hot] / temps[i], dim=-1)
+            torch.testing.assert_close(q[i, k], expect, atol=1e-5, rtol=0)
+            prev = int(tokens[i, k])
+
+
+def test_token_map_errors(drafters, tmp_path) -> None:
+    (tmp_path / "floats.json").write_text("[1.5, 2.0]")
+    (tmp_path / "empty.json").write_text("[]")
+    (tmp_path / "big.json").write_text("[1, 100000]")
+    (tmp_path / "junk.pt").write_text("not a tensor")
+    cases = [
+        ("missing.pt", "cannot read"),
+        ("junk.pt", "cannot read"),
+        ("floats.json", "non-empty 1-D list of token ids"),
+        ("empty.json", "non-empty 1-D list of token ids"),
+        ("big.json", "must be in \\[0, 528\\)"),
+    ]
+    for name, match in cases:
+        with pytest.raises(ValueError, match="speculative_token_map: .*" + match):
+            proposer_for(drafters["vanilla"], speculative_token_map=str(tmp_path / name))
+    with pytest.raises(ValueError, match="speculative_token_map: only DSPARK and DFLASH"):
+        EngineConfig.from_kwargs(
+            model_path("qwen3"), speculative_algorithm="NGRAM", speculative_token_map="m.pt"
+        )
+
+
 def test_dflash_ignores_the_markov_and_confidence_heads(drafters) -> None:
     for path in (drafters["dflash"], drafters["vanilla"]):
         cfg = EngineConfig.from_kwargs(

@@ -22,7 +22,12 @@ GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 def drafters(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec-drafters")
     target = model_path("qwen3")
+    # A hot vocabulary for --speculative-token-map: every third token, and of the
+    # six the sampling test allows only 20, 21 and 24 (the rest never drafted).
+    hot = sorted(({*range(0, 528, 3)} - {23, 25}) | {20, 24})
+    torch.save(torch.tensor(hot), root / "token_map.pt")
     return {
+        "token_map": str(root / "token_map.pt"),
         "vanilla": make_tiny_dspark(str(root / "v"), target, markov_head_type="vanilla"),
         "gated": make_tiny_dspark(str(root / "g"), target, markov_head_type="gated", seed=1),
         "rnn": make_tiny_dspark(str(root / "r"), target, markov_head_type="rnn", seed=2),
@@ -77,6 +82,10 @@ def spec_configs(drafters) -> dict[str, dict]:
         "speculative_dspark_confidence_threshold": 0.5,
     }
     out["dspark-budget"] = {**out["dspark-gated"], "speculative_dspark_schedule": "budget"}
+    out["dspark-token-map"] = {
+        **out["dspark-gated"],
+        "speculative_token_map": drafters["token_map"],
+    }
     return out
 
 
@@ -90,6 +99,7 @@ def spec_configs(drafters) -> dict[str, dict]:
         "ngram",
         "dspark-threshold",
         "dspark-budget",
+        "dspark-token-map",
     ],
 )
 def test_greedy_output_equals_plain_decoding(plain, drafters, name) -> None:
@@ -195,10 +205,13 @@ def test_json_schema_grammar_under_speculation(plain, drafters) -> None:
             eng.shutdown()
 
 
-def test_sampling_matches_plain_decoding_on_a_tiny_vocabulary(plain, drafters) -> None:
+@pytest.mark.parametrize("name", ["dspark-gated", "dspark-token-map"])
+def test_sampling_matches_plain_decoding_on_a_tiny_vocabulary(plain, drafters, name) -> None:
     """Six allowed tokens (logit bias -100 elsewhere): the drafter, which knows
     nothing of the bias, keeps proposing forbidden tokens; rejection sampling
-    must still give the plain distribution, at the first and at a later token."""
+    must still give the plain distribution, at the first and at a later token.
+    With the token map, three of the six are never drafted: they come only
+    from the residual of rejected drafts."""
     allowed = [20, 21, 22, 23, 24, 25]
     bias = {t: -100.0 for t in range(528) if t not in allowed}
     n = 600
@@ -213,7 +226,7 @@ def test_sampling_matches_plain_decoding_on_a_tiny_vocabulary(plain, drafters) -
         for i in range(n)
     ]
     prompt = [30, 31, 32]
-    eng = engine(spec_configs(drafters)["dspark-gated"], max_running_requests=64)
+    eng = engine(spec_configs(drafters)[name], max_running_requests=64)
     try:
         spec_outs = eng.generate(input_ids=[prompt] * n, sampling_params=sps)
         assert_all_free(eng)

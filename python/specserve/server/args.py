@@ -177,6 +177,12 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
         help="budget mode: JSON {verify batch tokens: steps/s} (default: profiled at start-up)",
     )
     g.add_argument(
+        "--speculative-token-map",
+        default=None,
+        help="DSpark/DFlash: draft only these token ids (a .pt tensor or list, or a .json "
+        "list; e.g. the most frequent outputs): cheaper drafting, exact output",
+    )
+    g.add_argument(
         "--speculative-ngram-max-match",
         type=int,
         default=SpecConfig.ngram_max_match,

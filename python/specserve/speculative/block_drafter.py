@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.kernels.chain_verify import row_argmax
+from specserve.layers.linear import LogitsHead, k_major_
 from specserve.sampling.sampler import exponential_race
 
 
@@ -34,10 +35,16 @@ class MarkovHead(nn.Module):
         self.rank = r
         self.markov_w1 = nn.Embedding(cfg.vocab_size, r)
         self.markov_w2 = nn.Linear(r, cfg.vocab_size, bias=False)
+        self.hot_w2: torch.Tensor | None = None  # [H, r]: W2's rows of a hot vocabulary
         if self.kind == "gated":
             self.gate_proj = nn.Linear(d + r, r)
         elif self.kind == "rnn":
             self.joint_proj = nn.Linear(2 * r + d, 3 * r)
+
+    def restrict(self, ids: torch.Tensor) -> None:
+        """Corrections for the tokens ``ids [H]`` only (see ``BlockDrafter.restrict_vocab``)."""
+        self.hot_w2 = self.markov_w2.weight.detach()[ids]
+        k_major_(self.hot_w2)
 
     def init_state(self, n: int, like: torch.Tensor) -> torch.Tensor | None:
         return like.new_zeros(n, self.rank) if self.kind == "rnn" else None
@@ -64,7 +71,7 @@ class MarkovHead(nn.Module):
             keep = torch.sigmoid(gate)
             state = keep * state + (1 - keep) * torch.tanh(cand)
             z = torch.tanh(out)
-        w2 = self.markov_w2.weight  # [V, r]
+        w2 = self.markov_w2.weight if self.hot_w2 is None else self.hot_w2  # [V or H, r]
         if base is not None and z.dtype == base.dtype:
             return torch.addmm(base, z, w2.t()), state, e
         bias = F.linear(z, w2).float()
@@ -88,6 +95,34 @@ class BlockDrafter(nn.Module):
     ``window`` is None when a block sees its whole context."""
 
     window: int | None = None
+    # The tokens drafts come from, ascending ([H]; None: the whole vocabulary).
+    hot_ids: torch.Tensor | None = None
+
+    @property
+    def vocab_head(self) -> LogitsHead:
+        """The full vocabulary projection (the target's, shared)."""
+        raise NotImplementedError
+
+    def restrict_vocab(self, ids: torch.Tensor) -> None:
+        """Drafts from the tokens ``ids [H]`` alone (SGLang's token map, as in
+        FR-Spec): the block's logits, Markov corrections and argmaxes cover
+        ``H`` tokens instead of the vocabulary. Only which drafts are proposed
+        changes: their distributions are zero off ``ids``, and verification
+        against the target stays exact."""
+        full = self.vocab_head
+        with torch.device("meta"):
+            head = LogitsHead(full.in_features, ids.numel())
+        head.weight = nn.Parameter(full.weight.detach()[ids], requires_grad=False)
+        head.post_load()
+        self.hot_head = head
+        if self.markov_head is not None:
+            self.markov_head.restrict(ids)
+        self.hot_ids = ids
+        self.full_vocab = full.out_features
+
+    def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., d]`` -> float32 logits over the drafting vocabulary."""
+        return (self.vocab_head if self.hot_ids is None else self.hot_head)(hidden)
 
     @property
     def feature_weight(self) -> torch.Tensor:
@@ -114,8 +149,9 @@ class BlockDrafter(nn.Module):
         greedy) and confidences ``[R, gamma]`` (None without the head).
         ``greedy_rows``: which rows are greedy, as the host knows it (read
         off ``temperatures`` otherwise, at the cost of a device sync)."""
-        base = self.base_logits(hidden)  # [R, G, V] float32
+        base = self.base_logits(hidden)  # [R, G, V] float32 (V: the hot vocabulary's H)
         r, g, vocab = base.shape
+        hot = self.hot_ids
         prev = anchors
         state = self.markov_head.init_state(r, hidden) if self.use_markov else None
         tokens, probs, embeds = [], [], []
@@ -135,10 +171,15 @@ class BlockDrafter(nn.Module):
                 p = torch.softmax(logits / torch.where(greedy, 1.0, temperatures)[:, None], dim=-1)
                 choice = _draw(p, logits, sampled_rows, noise, shared)
                 probs.append(torch.where(greedy[:, None], F.one_hot(choice, vocab).float(), p))
+            if hot is not None:
+                choice = hot[choice]  # hot index -> token id
             tokens.append(choice)
             prev = choice
         conf = self._confidence(hidden, embeds) if with_confidence else None
-        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, conf
+        q = torch.stack(probs, dim=1) if probs else None
+        if q is not None and hot is not None:  # zero off the hot vocabulary
+            q = q.new_zeros(r, g, self.full_vocab).index_copy_(2, hot, q)
+        return torch.stack(tokens, dim=1), q, conf
 
     def _confidence(self, hidden: torch.Tensor, embeds: list[torch.Tensor]) -> torch.Tensor | None:
         """Every slot's confidence at once ``[..., gamma]`` (None without the

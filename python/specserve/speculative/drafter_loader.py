@@ -4,7 +4,9 @@ pages and largest step cost in the memory budget."""
 
 from __future__ import annotations
 
+import json
 import logging
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +50,8 @@ def load_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
         )  # fmt: skip
     dflash = spec.algorithm == "DFLASH"
     model = load_draft_model(spec.draft_model_path, dcfg, runner, use_heads=not dflash)
+    if spec.token_map:
+        model.restrict_vocab(load_token_map(spec.token_map, dcfg.vocab_size, runner.device))
     page = KVPool.bytes_per_page(
         dcfg.num_hidden_layers, runner.page_size, dcfg.num_key_value_heads, dcfg.head_dim,
         runner.dtype,
@@ -151,12 +155,39 @@ def load_v4_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
     what = f"{dcfg.num_stages}-stage DeepSeek-V4 DSpark drafter"
     load_state(model, checkpoint_files(path), what, fp8_block=tcfg.fp8_block)
     model = model.requires_grad_(False).eval()
+    if spec.token_map:
+        model.restrict_vocab(load_token_map(spec.token_map, tcfg.vocab_size, runner.device))
     page = KVPool.bytes_per_page(dcfg.num_stages, runner.page_size, 1, tcfg.head_dim, runner.dtype)
     r = config.scheduler.max_running_requests
     window = r * model.window * dcfg.num_stages * tcfg.head_dim * runner.dtype.itemsize
     logits = r * block * tcfg.vocab_size * 4 * 4
     scratch = (scratch_pages(config, block) + scratch_pages(config, model.window)) * page
     return LoadedDrafter(model, dcfg, block, page, int(1.25 * (logits + window)) + scratch)
+
+
+def load_token_map(path: str, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The hot vocabulary of ``--speculative-token-map``: token ids ``[H]``,
+    ascending, from a ``.pt`` file (a tensor or list, as SGLang reads it) or
+    a ``.json`` list."""
+    name = "speculative_token_map"
+    try:
+        if path.endswith(".json"):
+            with open(path) as f:
+                raw = json.load(f)
+        else:
+            raw = torch.load(path, map_location="cpu", weights_only=True)
+        ids = torch.as_tensor(raw)
+    except (OSError, ValueError, RuntimeError, TypeError, pickle.UnpicklingError) as e:
+        raise ValueError(f"{name}: cannot read {path!r} as a list of token ids ({e})") from None
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"{name}: {path!r} must hold a non-empty 1-D list of token ids")
+    ids = ids.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(
+            f"{name}: token ids must be in [0, {vocab_size}), got {int(ids.min())}..{int(ids.max())}"
+        )
+    ids = ids.unique()  # sorted: ties between hot tokens go to the lower id, as over the vocabulary
+    return ids.to(device)
 
 
 def scratch_pages(config: EngineConfig, block: int) -> int:

@@ -273,8 +273,12 @@ class DSparkDraftModel(BlockDrafter):
     def feature_weight(self) -> torch.Tensor:
         return self.fc.weight
 
+    @property
+    def vocab_head(self) -> LogitsHead:
+        return self.lm_head
+
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.vocab_logits(hidden)
 
     def post_load(self) -> None:
         """After the weights are in: the fused projections, and the weights whose

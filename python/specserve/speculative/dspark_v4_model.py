@@ -224,8 +224,12 @@ class DSparkV4DraftModel(BlockDrafter):
     def feature_weight(self) -> torch.Tensor:
         return self.stages[0].main_proj.weight
 
+    @property
+    def vocab_head(self) -> LogitsHead:
+        return self.head
+
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self.stages[-1].norm.forward(hidden))
+        return self.vocab_logits(self.stages[-1].norm.forward(hidden))
 
     # ---- context ------------------------------------------------------------
 
