@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train_dspark(args)
         if args.command == "build-demo":
             return _build_demo(args)
+        if args.command == "make-token-map":
+            return _make_token_map(args)
         if args.command == "generate":
             return _generate(args)
     except (ValueError, OSError) as e:  # bad input: one clear line, no traceback
@@ -61,6 +63,23 @@ def _build_demo(args: Any) -> int:
     }
     figures = build_demo(DemoConfig(out=args.out, work=args.work, **overrides))
     print(json.dumps(figures, indent=2))
+    return 0
+
+
+def _make_token_map(args: Any) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from specserve.config import ModelConfig
+    from specserve.training.data import hot_tokens, read_token_stream
+
+    tok = AutoTokenizer.from_pretrained(args.model_path, local_files_only=True)
+    vocab = ModelConfig.from_path(args.model_path).vocab_size
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    stream = read_token_stream(args.data, lambda t: tok.encode(t, add_special_tokens=False), eos)
+    ids = hot_tokens(stream, args.size, vocab)
+    torch.save(torch.tensor(ids), args.out)
+    print(f"wrote the {len(ids)} most frequent of {len(stream)} tokens to {args.out}")
     return 0
 
 

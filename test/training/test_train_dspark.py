@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from models_zoo import model_path
 from server_harness import running_server
 from specserve import Engine
-from specserve.training.data import chunk, read_token_stream, write_jsonl
+from specserve.cli import main
+from specserve.speculative.drafter_loader import load_token_map
+from specserve.training.data import chunk, hot_tokens, read_token_stream, write_jsonl
 from specserve.training.train_dspark import DSparkTrainConfig, DSparkTrainer, default_layer_ids
 
 
@@ -133,6 +137,26 @@ def test_features_are_the_layer_outputs_the_engine_captures(trained, tmp_path) -
     torch.testing.assert_close(trainer.target.model.norm(feats[..., 2 * d :]), hs[n])
     torch.testing.assert_close(logits, out.logits.float())
     assert trainer.draft_json["target_layer_ids"] == list(ids)
+
+
+def test_a_token_map_keeps_the_most_frequent_tokens(tmp_path) -> None:
+    """``hot_tokens`` against ``collections.Counter``; ``make-token-map`` writes
+    a map the engine's loader reads back."""
+    g = torch.Generator().manual_seed(3)
+    stream = (torch.randint(0, 40, (500,), generator=g) ** 2 // 40).tolist()  # skewed
+    counts = Counter(stream)
+    expect = sorted(sorted(counts, key=lambda t: (-counts[t], t))[:6])
+    assert hot_tokens(stream, 6, 528) == expect
+    with pytest.raises(ValueError, match="size must be in"):
+        hot_tokens(stream, 0, 528)
+    data = tmp_path / "d.jsonl"
+    write_jsonl(str(data), [stream])
+    out = tmp_path / "map.pt"
+    argv = ["make-token-map", "--model-path", model_path("qwen3"), "--data", str(data)]
+    assert main([*argv, "--size", "6", "--out", str(out)]) == 0
+    eos = AutoTokenizer.from_pretrained(model_path("qwen3")).eos_token_id
+    want = hot_tokens([*stream, eos], 6, 528)  # each document ends with EOS
+    assert load_token_map(str(out), 528, torch.device("cpu")).tolist() == want
 
 
 @pytest.mark.gpu

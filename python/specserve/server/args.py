@@ -342,6 +342,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--eval-prompts", type=int, default=None)
     demo.add_argument("--vocab-size", type=int, default=None)
 
+    hot = sub.add_parser(
+        "make-token-map",
+        help="the most frequent tokens of some data, for --speculative-token-map",
+    )
+    hot.add_argument(
+        "--model-path", required=True, help="the target (its tokenizer and vocabulary)"
+    )
+    hot.add_argument(
+        "--data", nargs="+", required=True, help="text files, or .jsonl with input_ids or text"
+    )
+    hot.add_argument("--size", type=int, required=True, help="how many token ids to keep")
+    hot.add_argument("--out", required=True, help="the token map to write (.pt)")
+
     draft = sub.add_parser(
         "make-tiny-dspark",
         help="write a random-weight DSpark drafter (DeepSpec format) for a target",

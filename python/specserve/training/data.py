@@ -46,6 +46,20 @@ def chunk(stream: Sequence[int], seq_len: int) -> torch.Tensor:
     return torch.tensor(stream[: n * seq_len], dtype=torch.int64).view(n, seq_len)
 
 
+def hot_tokens(stream: Iterable[int], size: int, vocab_size: int) -> list[int]:
+    """The ``size`` most frequent token ids of ``stream`` (ties: the lower
+    id), ascending: a token map for ``--speculative-token-map``."""
+    if not 1 <= size <= vocab_size:
+        raise ValueError(f"size must be in [1, {vocab_size}], got {size}")
+    ids = torch.tensor(list(stream), dtype=torch.int64)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"data: token ids must be in [0, {vocab_size})")
+    counts = torch.bincount(ids, minlength=vocab_size)
+    # Stable descending order by count: equal counts keep ascending ids.
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return sorted(order[:size].tolist())
+
+
 def write_jsonl(path: str, sequences: Iterable[Sequence[int]]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for ids in sequences:
