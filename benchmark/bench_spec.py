@@ -41,8 +41,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--algorithms",
         nargs="+",
-        choices=("DSPARK", "DSPARK-budget", "DFLASH", "NGRAM"),
+        choices=("DSPARK", "DSPARK-full-vocab", "DSPARK-budget", "DFLASH", "NGRAM"),
         default=["DSPARK", "DFLASH", "NGRAM"],
+        help="DSPARK-full-vocab: DSPARK drafting from the whole vocabulary (no token map)",
+    )
+    p.add_argument(
+        "--token-map",
+        default=None,
+        help="--speculative-token-map for DSPARK, DSPARK-budget and DFLASH (default with "
+        "--demo: the demo's; 'none': the whole vocabulary)",
     )
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--input-len", type=int, default=32)
@@ -91,12 +98,13 @@ def main() -> int:
 
     root = tempfile.mkdtemp(prefix="bench-spec-")
     if args.demo:
-        from specserve.assets import demo_path
+        from specserve.assets import demo_path, demo_token_map
 
         try:
             args.model_path = args.model_path or demo_path("target")
             args.draft_model_path = args.draft_model_path or demo_path("dspark")
             args.dflash_model_path = args.dflash_model_path or demo_path("dflash")
+            args.token_map = args.token_map or demo_token_map()
         except ValueError as e:
             print(f"bench_spec: {e}", file=sys.stderr)
             return 1
@@ -120,16 +128,19 @@ def main() -> int:
         max_running_requests=max_bs,
         max_total_tokens=max_bs * (args.input_len + args.output_len + 64),
     )
+    hot = {} if args.token_map in (None, "none") else {"speculative_token_map": args.token_map}
+    dspark = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": drafter}
     specs = {
         "plain": {},
-        "DSPARK": {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": drafter},
+        "DSPARK": {**dspark, **hot},
+        "DSPARK-full-vocab": dspark,
         # DSpark with the paper's verify-token budget (confidence head + profiled step rates)
-        "DSPARK-budget": {
-            "speculative_algorithm": "DSPARK",
-            "speculative_draft_model_path": drafter,
-            "speculative_dspark_schedule": "budget",
+        "DSPARK-budget": {**dspark, **hot, "speculative_dspark_schedule": "budget"},
+        "DFLASH": {
+            "speculative_algorithm": "DFLASH",
+            "speculative_draft_model_path": dflash,
+            **hot,
         },
-        "DFLASH": {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": dflash},
         "NGRAM": {"speculative_algorithm": "NGRAM"},
     }
     engines = {
@@ -198,12 +209,13 @@ def main() -> int:
     shutil.rmtree(root, ignore_errors=True)
 
     print(
-        f"target {target}, drafter {drafter}, input {args.input_len}, output {args.output_len}, median of {args.repeats}"
+        f"target {target}, drafter {drafter}, token map {args.token_map or 'none'}, "
+        f"input {args.input_len}, output {args.output_len}, median of {args.repeats}"
     )
-    print(f"{'batch':>5} {'method':>13} {'tok/s':>9} {'speedup':>8} {'tau':>6}")
+    print(f"{'batch':>5} {'method':>17} {'tok/s':>9} {'speedup':>8} {'tau':>6}")
     for r in rows:
         print(
-            f"{r['batch']:>5} {r['method']:>13} {r['tok_s']:>9.1f} {r['speedup']:>7.2f}x "
+            f"{r['batch']:>5} {r['method']:>17} {r['tok_s']:>9.1f} {r['speedup']:>7.2f}x "
             + ("     -" if r["tau"] is None else f"{r['tau']:>6.2f}")
         )
     if args.output_json:

@@ -34,6 +34,9 @@ def test_no_model_path_means_the_demo_and_its_drafters(command) -> None:
     for alg in ("DSPARK", "DFLASH"):
         args = parsed(command, *extra, "--speculative-algorithm", alg)
         assert args.speculative_draft_model_path == os.path.join(DEMO_ROOT, alg.lower())
+        assert args.speculative_token_map == os.path.join(DEMO_ROOT, "token_map.pt")
+        flags = ["--speculative-algorithm", alg, "--speculative-token-map", "/m.pt"]
+        assert parsed(command, *extra, *flags).speculative_token_map == "/m.pt"
     # NGRAM needs no drafter; an explicit drafter is kept.
     assert (
         parsed(command, *extra, "--speculative-algorithm", "NGRAM").speculative_draft_model_path
@@ -42,7 +45,7 @@ def test_no_model_path_means_the_demo_and_its_drafters(command) -> None:
     args = parsed(
         command, *extra, "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", "/d"
     )
-    assert args.speculative_draft_model_path == "/d"
+    assert args.speculative_draft_model_path == "/d" and args.speculative_token_map is None
 
 
 def test_another_target_gets_no_demo_drafter(tmp_path) -> None:

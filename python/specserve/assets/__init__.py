@@ -16,6 +16,12 @@ DEMO_PARTS = ("target", "dspark", "dflash")
 DEMO_NAME = "specserve-demo"  # the served model name when the demo is served by default
 
 
+def demo_token_map() -> str | None:
+    """The demo drafters' token map (``--speculative-token-map``), if shipped."""
+    path = os.path.join(DEMO_ROOT, "token_map.pt")
+    return path if os.path.isfile(path) else None
+
+
 def demo_path(part: str = "target") -> str:
     """Directory of a demo checkpoint (``target``, ``dspark`` or ``dflash``)."""
     if part not in DEMO_PARTS:

@@ -232,8 +232,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def apply_demo_defaults(args: argparse.Namespace) -> None:
     """No ``--model-path``: the bundled demo target (served as ``specserve-demo``);
-    DSPARK / DFLASH on it with no draft path: its bundled drafter."""
-    from specserve.assets import DEMO_NAME, DEMO_ROOT, demo_path
+    DSPARK / DFLASH on it with no draft path: its bundled drafter, and its
+    token map unless one is given."""
+    from specserve.assets import DEMO_NAME, DEMO_ROOT, demo_path, demo_token_map
 
     if args.model_path is None:
         args.model_path = demo_path("target")
@@ -246,6 +247,8 @@ def apply_demo_defaults(args: argparse.Namespace) -> None:
         )
         if on_demo:
             args.speculative_draft_model_path = demo_path(alg.lower())
+            if getattr(args, "speculative_token_map", None) is None:
+                args.speculative_token_map = demo_token_map()
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

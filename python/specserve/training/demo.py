@@ -6,7 +6,8 @@
 2. A byte-level BPE tokenizer (ChatML specials and a mask token).
 3. A small Qwen3-architecture target pretrained from scratch.
 4. Drafter training data: the target's own continuations of held-in
-   windows (greedy and sampled), generated with the engine.
+   windows (greedy and sampled), generated with the engine; its most
+   frequent tokens are the drafters' token map (hot vocabulary).
 5. A DSpark drafter and a DFlash drafter (same size, steps and seed; DFlash
    has no Markov or confidence head) trained against the target.
 6. Greedy accepted length at block size 7 on held-in and held-out prompts.
@@ -43,6 +44,7 @@ class DemoConfig:
     gen_prompts: int = 8192
     gen_prompt_len: int = 64
     gen_new_tokens: int = 192
+    token_map_size: int = 2048  # the drafters' hot vocabulary (--speculative-token-map)
     eval_prompts: int = 32
     eval_new_tokens: int = 128
     seed: int = SEED
@@ -192,6 +194,19 @@ def build_demo(cfg: DemoConfig, log=print) -> dict:
 
     stage("drafter_data", make_data)
 
+    map_path = os.path.join(cfg.work, "token_map.pt")
+
+    def make_token_map() -> dict:
+        from specserve.training.data import hot_tokens, read_token_stream
+
+        stream = read_token_stream([data_path], lambda t: [], eos)
+        ids = hot_tokens(stream, cfg.token_map_size, cfg.vocab_size)
+        torch.save(torch.tensor(ids), map_path)
+        counts = torch.bincount(torch.tensor(stream), minlength=cfg.vocab_size)
+        return {"size": len(ids), "coverage": round(float(counts[ids].sum() / len(stream)), 4)}
+
+    stage("token_map", make_token_map)
+
     def make_drafter(name: str, rank: int) -> dict:
         dcfg = drafter_train_config(cfg, name, rank)
         history = DSparkTrainer(dcfg).train()
@@ -214,13 +229,19 @@ def build_demo(cfg: DemoConfig, log=print) -> dict:
             g = torch.Generator().manual_seed(cfg.seed + 1)
             starts = torch.randint(0, len(stream) - 64, (cfg.eval_prompts,), generator=g).tolist()
             prompts = [stream[s : s + 64] for s in starts]
-            for alg in ("DSPARK", "DFLASH"):
+            # The drafters alone, then DSpark drafting from the token map.
+            for alg, key, hot in (
+                ("DSPARK", "dspark", None),
+                ("DFLASH", "dflash", None),
+                ("DSPARK", "dspark_token_map", map_path),
+            ):
                 engine = Engine(
                     model_path=target_dir,
                     device="cpu",
                     dtype="float32",
                     speculative_algorithm=alg,
                     speculative_draft_model_path=os.path.join(cfg.work, alg.lower()),
+                    speculative_token_map=hot,
                     max_running_requests=cfg.eval_prompts,
                     max_total_tokens=cfg.eval_prompts * 256,
                 )
@@ -233,9 +254,7 @@ def build_demo(cfg: DemoConfig, log=print) -> dict:
                             "ignore_eos": True,
                         },
                     )
-                    results[f"{alg.lower()}_tau_{split}"] = round(
-                        engine.stats()["spec_accept_length"], 3
-                    )
+                    results[f"{key}_tau_{split}"] = round(engine.stats()["spec_accept_length"], 3)
                 finally:
                     engine.shutdown()
                 del outs
@@ -253,6 +272,7 @@ def build_demo(cfg: DemoConfig, log=print) -> dict:
         dst = os.path.join(cfg.out, name)
         shutil.rmtree(dst, ignore_errors=True)
         shutil.copytree(src, dst, ignore=shutil.ignore_patterns("train_state.pt", "pretrain.json"))
+    shutil.copyfile(map_path, os.path.join(cfg.out, "token_map.pt"))
     shipped = {
         **manifest,
         "config": {k: v for k, v in manifest["config"].items() if k not in ("out", "work")},
