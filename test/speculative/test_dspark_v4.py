@@ -362,6 +362,30 @@ def test_a_trained_drafter_gets_drafts_accepted(paths, trained) -> None:
     assert tau > 1.0, tau  # some drafts accepted
 
 
+def test_a_token_map_keeps_v4_drafting_exact(paths, trained, tmp_path) -> None:
+    """The trained drafter drafting from a token map (the tokens plain decoding
+    emits, and 40 others): the same ids and logprobs, drafts still accepted."""
+    prompts = torch.randint(4, 500, (4, 8), generator=torch.Generator().manual_seed(98)).tolist()
+    kw = dict(
+        sampling_params={"temperature": 0, "max_new_tokens": 40, "ignore_eos": True},
+        return_logprob=True,
+    )
+    want = engine(paths["target"]).generate(input_ids=prompts, **kw)
+    hot = sorted({t for o in want for t in o["output_ids"]} | set(range(100, 140)))
+    torch.save(torch.tensor(hot), tmp_path / "map.pt")
+    spec = engine(
+        paths["target"], speculative_algorithm="DSPARK", speculative_draft_model_path=trained,
+        speculative_token_map=str(tmp_path / "map.pt"),
+    )  # fmt: skip
+    assert spec.proposer.model.hot_ids.tolist() == hot
+    got = spec.generate(input_ids=prompts, **kw)
+    for a, b in zip(want, got):
+        assert a["output_ids"] == b["output_ids"]
+        la, lb = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+        assert max(abs(x[0] - y[0]) for x, y in zip(la, lb)) < 1e-4
+    assert spec.core.spec.stats.accept_length > 1.0
+
+
 def test_limits_and_stops_cut_accepted_runs(paths, trained) -> None:
     """Every output length from 1 to 24 and stop strings at many offsets, in
     one batch of one prompt: wherever a cut falls (inside an accepted run
