@@ -118,7 +118,6 @@ class BlockDrafter(nn.Module):
         if self.markov_head is not None:
             self.markov_head.restrict(ids)
         self.hot_ids = ids
-        self.full_vocab = full.out_features
 
     def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., d]`` -> float32 logits over the drafting vocabulary."""
@@ -178,7 +177,7 @@ class BlockDrafter(nn.Module):
         conf = self._confidence(hidden, embeds) if with_confidence else None
         q = torch.stack(probs, dim=1) if probs else None
         if q is not None and hot is not None:  # zero off the hot vocabulary
-            q = q.new_zeros(r, g, self.full_vocab).index_copy_(2, hot, q)
+            q = q.new_zeros(r, g, self.vocab_head.out_features).index_copy_(2, hot, q)
         return torch.stack(tokens, dim=1), q, conf
 
     def _confidence(self, hidden: torch.Tensor, embeds: list[torch.Tensor]) -> torch.Tensor | None:
