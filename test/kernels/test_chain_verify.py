@@ -8,6 +8,7 @@ import torch
 
 from specserve.kernels.chain_verify import (
     HAS_TRITON,
+    greedy_argmax,
     greedy_verify,
     greedy_verify_ref,
     greedy_verify_triton,
@@ -494,3 +495,21 @@ def test_row_argmax_is_torch_argmax(dtype) -> None:
         torch.testing.assert_close(row_argmax(rows), rows.argmax(dim=-1), rtol=0, atol=0)
     w = torch.randn(4, 9, generator=g, requires_grad=True)
     assert torch.equal(row_argmax(w), w.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_greedy_argmax_counts_nan_as_minus_infinity(dtype) -> None:
+    """The greedy token (plain sampling and verify): torch's argmax with NaN
+    as -inf; rows with and without NaN side by side, an all-NaN row, +inf,
+    ties, and a strided view."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 4, (7, 2, 30), generator=g).to(dtype)  # many ties
+    x[0, 0, x[0, 0].argmax()] = NAN  # the would-be argmax
+    x[1, 1] = NAN
+    x[2, 0, 11] = float("inf")
+    x[3, 1, :5] = NAN
+    for rows in (x[:, 0], x[:, 1], x.reshape(14, 30)):
+        want = rows.float().nan_to_num(nan=float("-inf")).argmax(dim=-1)
+        assert torch.equal(greedy_argmax(rows), want)
+    clean = x[4:, 0]  # no NaN: the plain argmax
+    assert torch.equal(greedy_argmax(clean), clean.float().argmax(dim=-1))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.cache.kv_pool import KVPool
-from specserve.layers.attention import AttentionMetadata, TorchAttentionBackend
+from specserve.layers.attention import AttentionMetadata, TorchAttentionBackend, _LonePlan
 
 H, HKV, D, PS = 4, 2, 8, 4
 
@@ -35,6 +35,8 @@ BATCHES = {
     # One request: its pages in one ascending run are read as a view of the pool.
     "lone-decode": [(9, 1)],
     "lone-chain": [(9, 5)],
+    "lone-chunk": [(5, 20)],
+    "lone-prefill": [(0, 7)],
 }
 
 
@@ -75,10 +77,13 @@ def test_mixed_batch_matches_dense_attention(dtype, batch, in_order) -> None:
     )
     backend.prepare(meta)
     plan = meta.plan
-    for bias in (plan.single_bias, plan.chain_bias):  # masks in the queries' dtype
+    lone = isinstance(plan, _LonePlan)
+    assert lone == (batch.startswith("lone") and in_order)
+    biases = [plan.bias] if lone else [plan.single_bias, plan.chain_bias]
+    for bias in biases:  # masks in the queries' dtype
         assert bias is None or (bias.dtype == dtype and bias.device.type == "cpu")
-    assert plan.chain_whole == (batch in ("chains-only", "lone-chain"))
-    assert (plan.span is not None) == (batch.startswith("lone") and in_order)
+    if not lone:
+        assert plan.chain_whole == (batch in ("chains-only", "lone-chain"))
     q = torch.randn(len(positions), H, D, generator=g).to(dtype)
     new_k = torch.cat([k[p:] for (p, _), k in zip(shapes, full_k)])
     new_v = torch.cat([v[p:] for (p, _), v in zip(shapes, full_v)])
@@ -90,6 +95,36 @@ def test_mixed_batch_matches_dense_attention(dtype, batch, in_order) -> None:
         ref = dense_reference(q[row : row + n], k, v, prefix + n)
         torch.testing.assert_close(out[row : row + n].float(), ref, atol=tol, rtol=0)
         row += n
+
+
+@pytest.mark.parametrize("in_order", [False, True], ids=["pages-reversed", "pages-in-order"])
+@pytest.mark.parametrize(("prefix", "n"), [(9, 4), (0, 4), (6, 1)], ids=["block", "fresh", "one"])
+def test_lone_non_causal_block_sees_every_key(prefix, n, in_order) -> None:
+    """A lone drafter block (non-causal): every query attends to all of its
+    request's keys, on the view path (pages in order) and the gathered one."""
+    g = torch.Generator().manual_seed(1)
+    pages = -(-(prefix + n) // PS)
+    table = list(range(2, 2 + pages))
+    table = table if in_order else table[::-1]
+    pool = KVPool(1, 16, PS, HKV, D, torch.float32, "cpu")
+    k = torch.randn(prefix + n, HKV, D, generator=g)
+    v = torch.randn(prefix + n, HKV, D, generator=g)
+    slots = torch.tensor([table[p // PS] * PS + p % PS for p in range(prefix + n)])
+    pool.store(0, slots[:prefix], k[:prefix], v[:prefix])
+    meta = AttentionMetadata(
+        torch.arange(prefix, prefix + n), slots[prefix:], [n], [prefix + n], [table], PS,
+        causal=False,
+    )  # fmt: skip
+    backend = TorchAttentionBackend(pool)
+    backend.prepare(meta)
+    assert isinstance(meta.plan, _LonePlan) == (in_order or pages == 1)
+    q = torch.randn(n, H, D, generator=g)
+    out = backend.forward(0, q, k[prefix:], v[prefix:], meta)
+    rep = H // HKV
+    kk = k.repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, L, D]
+    vv = v.repeat_interleave(rep, dim=1).transpose(0, 1)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv).transpose(0, 1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,7 @@ rejection sampling must not hold NaN.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specserve.kernels.dispatch import HAS_TRITON, LOGIT_DTYPES, tl, triton, use_triton
@@ -52,6 +53,14 @@ def greedy_argmax(x: torch.Tensor) -> torch.Tensor:
     lowest index (``torch.argmax`` returns the first maximum on every device);
     NaN is never the argmax (both paths), so it counts as -inf. Plain greedy
     sampling uses it too: one rule for the greedy token."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        # NumPy's argmax picks a row's first NaN if it holds one: only then is
+        # the row sanitised (a pass over every row costs more than the argmax).
+        a = x.detach().numpy()
+        best = a.argmax(axis=-1)
+        if np.isnan(np.take_along_axis(a, best[..., None], axis=-1)).any():
+            best = np.where(np.isnan(a), -np.inf, a).argmax(axis=-1)
+        return torch.from_numpy(best)
     inf = float("inf")
     return row_argmax(torch.nan_to_num(x.float(), nan=-inf, posinf=inf, neginf=-inf))  # [R]
 

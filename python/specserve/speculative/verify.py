@@ -71,7 +71,8 @@ def verify_chains(
     greedy = [i for i, c in enumerate(chains) if c.params.greedy]
     greedy_out = None
     if greedy:
-        rows = torch.cat([chains[i].logits for i in greedy])
+        members = [chains[i].logits for i in greedy]
+        rows = members[0] if len(members) == 1 else torch.cat(members)  # (one: no copy)
         greedy_out = greedy_verify(rows, *_layout([chains[i] for i in greedy], device), backend)
         if len(greedy) == len(chains):  # every chain, in order: nothing to place
             return ChainOutcome(greedy_out[0].to(torch.int64), greedy_out[1].to(torch.int64))
