@@ -41,9 +41,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--algorithms",
         nargs="+",
-        choices=("DSPARK", "DSPARK-full-vocab", "DSPARK-budget", "DFLASH", "NGRAM"),
+        choices=(
+            "DSPARK",
+            "DSPARK-full-vocab",
+            "DSPARK-ngram-first",
+            "DSPARK-budget",
+            "DFLASH",
+            "NGRAM",
+        ),  # fmt: skip
         default=["DSPARK", "DFLASH", "NGRAM"],
-        help="DSPARK-full-vocab: DSPARK drafting from the whole vocabulary (no token map)",
+        help="DSPARK-full-vocab: DSPARK drafting from the whole vocabulary (no token map); "
+        "DSPARK-ngram-first: with --speculative-ngram-first",
     )
     p.add_argument(
         "--token-map",
@@ -134,6 +142,8 @@ def main() -> int:
         "plain": {},
         "DSPARK": {**dspark, **hot},
         "DSPARK-full-vocab": dspark,
+        # DSpark where prompt lookup finds no n-gram match, lookup drafts elsewhere
+        "DSPARK-ngram-first": {**dspark, **hot, "speculative_ngram_first": True},
         # DSpark with the paper's verify-token budget (confidence head + profiled step rates)
         "DSPARK-budget": {**dspark, **hot, "speculative_dspark_schedule": "budget"},
         "DFLASH": {
@@ -212,10 +222,10 @@ def main() -> int:
         f"target {target}, drafter {drafter}, token map {args.token_map or 'none'}, "
         f"input {args.input_len}, output {args.output_len}, median of {args.repeats}"
     )
-    print(f"{'batch':>5} {'method':>17} {'tok/s':>9} {'speedup':>8} {'tau':>6}")
+    print(f"{'batch':>5} {'method':>18} {'tok/s':>9} {'speedup':>8} {'tau':>6}")
     for r in rows:
         print(
-            f"{r['batch']:>5} {r['method']:>17} {r['tok_s']:>9.1f} {r['speedup']:>7.2f}x "
+            f"{r['batch']:>5} {r['method']:>18} {r['tok_s']:>9.1f} {r['speedup']:>7.2f}x "
             + ("     -" if r["tau"] is None else f"{r['tau']:>6.2f}")
         )
     if args.output_json:

@@ -269,6 +269,9 @@ class SpecConfig:
     ngram_min_match: int = 1
     # DSpark/DFlash: the hot vocabulary drafts come from (SGLang's token map).
     token_map: str | None = None
+    # DSpark/DFlash: prompt-lookup drafts where the history has an n-gram match
+    # (ngram_min_match / ngram_max_match), the drafter network elsewhere.
+    ngram_first: bool = False
 
     def __post_init__(self) -> None:
         alg = self.algorithm
@@ -297,6 +300,11 @@ class SpecConfig:
                 "speculative_token_map: only DSPARK and DFLASH draft from a model's vocabulary, "
                 f"got speculative_algorithm {self.algorithm}"
             )
+        if self.ngram_first and self.algorithm not in ("DSPARK", "DFLASH"):
+            raise ValueError(
+                "speculative_ngram_first: looks up n-grams before a drafter network "
+                f"(DSPARK or DFLASH), got speculative_algorithm {self.algorithm}"
+            )
         if not 1 <= self.ngram_min_match <= self.ngram_max_match:
             raise ValueError(
                 "speculative_ngram_min_match must be >= 1 and <= speculative_ngram_max_match, "
@@ -323,6 +331,7 @@ SPEC_ARG_NAMES = {
     "speculative_ngram_max_match": "ngram_max_match",
     "speculative_ngram_min_match": "ngram_min_match",
     "speculative_token_map": "token_map",
+    "speculative_ngram_first": "ngram_first",
 }
 
 

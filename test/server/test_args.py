@@ -60,3 +60,14 @@ def test_missing_demo_is_a_clear_error(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(assets, "DEMO_ROOT", str(tmp_path))
     with pytest.raises(ValueError, match="demo model is not installed.*--model-path"):
         parsed("serve")
+
+
+def test_ngram_first_flag_reaches_the_spec_config(tmp_path) -> None:
+    from specserve.config import EngineConfig
+    from specserve.server.args import engine_kwargs
+
+    base = ["serve", "--model-path", str(tmp_path), "--speculative-algorithm", "DSPARK"]
+    base += ["--speculative-draft-model-path", "/d"]
+    for extra, want in (([], False), (["--speculative-ngram-first"], True)):
+        kwargs = engine_kwargs(parsed(*base, *extra))
+        assert EngineConfig.from_kwargs(str(tmp_path), **kwargs).spec.ngram_first is want

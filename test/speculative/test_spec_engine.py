@@ -86,6 +86,7 @@ def spec_configs(drafters) -> dict[str, dict]:
         **out["dspark-gated"],
         "speculative_token_map": drafters["token_map"],
     }
+    out["dspark-ngram-first"] = {**out["dspark-gated"], "speculative_ngram_first": True}
     return out
 
 
@@ -100,6 +101,7 @@ def spec_configs(drafters) -> dict[str, dict]:
         "dspark-threshold",
         "dspark-budget",
         "dspark-token-map",
+        "dspark-ngram-first",
     ],
 )
 def test_greedy_output_equals_plain_decoding(plain, drafters, name) -> None:
@@ -117,6 +119,42 @@ def test_greedy_output_equals_plain_decoding(plain, drafters, name) -> None:
         assert_all_free(eng)
     finally:
         eng.shutdown()
+
+
+def test_ngram_first_mixes_lookup_and_drafter_rounds(plain, drafters) -> None:
+    """With --speculative-ngram-first, rounds whose history has an n-gram match
+    take the lookup's drafts and the rest the drafter's, in one batch and
+    within one request: ids and logprobs equal plain decoding."""
+    prompts = [[7, 8, 9, 10] * 6, *random_prompts(2, [5, 9], seed=52)]
+    sp = {**GREEDY, "max_new_tokens": 40}
+    lp = dict(return_logprob=True, top_logprobs_num=3)
+    expected = plain.generate(input_ids=prompts, sampling_params=sp, **lp)
+    eng = engine(spec_configs(drafters)["dspark-ngram-first"], **{"speculative_ngram_min_match": 2})
+    drafter = eng.proposer.drafter
+    drafted: list[int] = []  # requests per drafter call
+    inner = drafter.propose
+
+    def counted(reqs, max_lens):
+        drafted.append(len(reqs))
+        return inner(reqs, max_lens)
+
+    drafter.propose = counted
+    try:
+        outs = eng.generate(input_ids=prompts, sampling_params=sp, **lp)
+        rounds = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+        assert 0 < sum(drafted) < rounds  # both kinds of draft were verified
+        for o, e in zip(outs, expected):
+            assert o["output_ids"] == e["output_ids"]
+            got, want = o["meta_info"], e["meta_info"]
+            for a, b in zip(got["output_token_logprobs"], want["output_token_logprobs"]):
+                assert a[1] == b[1] and a[0] == pytest.approx(b[0], abs=1e-4)
+            for a, b in zip(got["output_top_logprobs"], want["output_top_logprobs"]):
+                assert [t[1] for t in a] == [t[1] for t in b]
+        assert_all_free(eng)
+    finally:
+        eng.shutdown()
+    with pytest.raises(ValueError, match="speculative_ngram_first: .*DSPARK or DFLASH"):
+        engine({"speculative_algorithm": "NGRAM", "speculative_ngram_first": True})
 
 
 def test_small_kv_pool_preempts_and_stays_lossless(plain, drafters) -> None:
@@ -205,7 +243,7 @@ def test_json_schema_grammar_under_speculation(plain, drafters) -> None:
             eng.shutdown()
 
 
-@pytest.mark.parametrize("name", ["dspark-gated", "dspark-token-map"])
+@pytest.mark.parametrize("name", ["dspark-gated", "dspark-token-map", "dspark-ngram-first"])
 def test_sampling_matches_plain_decoding_on_a_tiny_vocabulary(plain, drafters, name) -> None:
     """Six allowed tokens (logit bias -100 elsewhere): the drafter, which knows
     nothing of the bias, keeps proposing forbidden tokens; rejection sampling

@@ -183,6 +183,13 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
         "list; e.g. the most frequent outputs): cheaper drafting, exact output",
     )
     g.add_argument(
+        "--speculative-ngram-first",
+        action="store_true",
+        help="DSpark/DFlash: take prompt-lookup drafts where the request's history has an "
+        "n-gram match (see --speculative-ngram-min-match and --speculative-ngram-max-match), "
+        "the drafter elsewhere; exact output either way",
+    )
+    g.add_argument(
         "--speculative-ngram-max-match",
         type=int,
         default=SpecConfig.ngram_max_match,

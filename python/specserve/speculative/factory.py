@@ -33,6 +33,8 @@ def warn_unused(spec: SpecConfig) -> None:
         unused = set_fields
     elif spec.algorithm == "NGRAM":
         unused = [f for f in set_fields if not f.startswith("ngram")]
+    elif spec.ngram_first:  # a drafter network and the n-gram lookup
+        unused = []
     else:
         unused = [f for f in set_fields if f.startswith("ngram")]
     for name in unused:
@@ -66,4 +68,11 @@ def build_proposer(
         return NgramProposer(chain - 1, spec.ngram_max_match, spec.ngram_min_match)
     from specserve.speculative.dspark import DSparkProposer
 
-    return DSparkProposer.from_config(config, runner, drafter)
+    proposer = DSparkProposer.from_config(config, runner, drafter)
+    if not spec.ngram_first:
+        return proposer
+    from specserve.speculative.ngram import NgramProposer
+    from specserve.speculative.ngram_first import NgramFirstProposer
+
+    lookup = NgramProposer(proposer.max_drafts, spec.ngram_max_match, spec.ngram_min_match)
+    return NgramFirstProposer(lookup, proposer)

@@ -1,0 +1,56 @@
+"""Prompt lookup first, the drafter network where the lookup finds nothing.
+
+Text that repeats itself (code, quoted context, a model looping) is drafted
+for free by prompt lookup, and such drafts run long; a drafter network costs
+a forward per round however easy the text. Each round, a request whose
+history has an n-gram match takes the lookup's drafts; only the others run
+the drafter (DSpark or DFlash). The drafter still receives every committed
+position's features, so its context is whole whenever it drafts again.
+Verification is the same for both kinds of draft (lookup drafts are
+deterministic, one-hot ``q``), so the output is exactly plain decoding's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specserve.core import Req
+from specserve.speculative.base import DraftProposal, Proposer
+from specserve.speculative.ngram import NgramProposer
+
+
+class NgramFirstProposer(Proposer):
+    def __init__(self, lookup: NgramProposer, drafter: Proposer) -> None:
+        self.lookup = lookup
+        self.drafter = drafter
+        self.capture_layer_ids = drafter.capture_layer_ids
+        self.max_drafts = drafter.max_drafts
+
+    def propose(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> DraftProposal:
+        found = self.lookup.propose(reqs, max_lens)
+        tokens, q = list(found.tokens), list(found.q)
+        rest = [i for i, t in enumerate(tokens) if not t]
+        if not rest:
+            return DraftProposal(tokens, q)
+        drafted = self.drafter.propose([reqs[i] for i in rest], [max_lens[i] for i in rest])
+        for j, i in enumerate(rest):
+            tokens[i], q[i] = drafted.tokens[j], drafted.q[j]
+        confidence = None
+        if drafted.confidence is not None:
+            # Lookup drafts carry no estimate: the drafter's verify policy
+            # (threshold or budget) takes them as certain.
+            confidence = [[1.0] * len(t) for t in tokens]
+            for j, i in enumerate(rest):
+                confidence[i] = drafted.confidence[j]
+        return DraftProposal(tokens, q, confidence)
+
+    def verify_lengths(self, proposal: DraftProposal) -> list[int]:
+        return self.drafter.verify_lengths(proposal)
+
+    def on_target_features(self, req: Req, start: int, features: torch.Tensor) -> None:
+        self.drafter.on_target_features(req, start, features)
+
+    def release(self, req: Req) -> None:
+        self.drafter.release(req)
