@@ -123,13 +123,13 @@ def test_greedy_output_equals_plain_decoding(plain, drafters, name) -> None:
 
 def test_ngram_first_mixes_lookup_and_drafter_rounds(plain, drafters) -> None:
     """With --speculative-ngram-first, rounds whose history has an n-gram match
-    take the lookup's drafts and the rest the drafter's, in one batch and
-    within one request: ids and logprobs equal plain decoding."""
+    take the lookup's drafts and the others the drafter's (both kinds in one
+    run of a batch): ids and logprobs equal plain decoding."""
     prompts = [[7, 8, 9, 10] * 6, *random_prompts(2, [5, 9], seed=52)]
     sp = {**GREEDY, "max_new_tokens": 40}
     lp = dict(return_logprob=True, top_logprobs_num=3)
     expected = plain.generate(input_ids=prompts, sampling_params=sp, **lp)
-    eng = engine(spec_configs(drafters)["dspark-ngram-first"], **{"speculative_ngram_min_match": 2})
+    eng = engine(spec_configs(drafters)["dspark-ngram-first"], speculative_ngram_min_match=2)
     drafter = eng.proposer.drafter
     drafted: list[int] = []  # requests per drafter call
     inner = drafter.propose
@@ -150,6 +150,7 @@ def test_ngram_first_mixes_lookup_and_drafter_rounds(plain, drafters) -> None:
                 assert a[1] == b[1] and a[0] == pytest.approx(b[0], abs=1e-4)
             for a, b in zip(got["output_top_logprobs"], want["output_top_logprobs"]):
                 assert [t[1] for t in a] == [t[1] for t in b]
+                assert [t[0] for t in a] == pytest.approx([t[0] for t in b], abs=1e-4)
         assert_all_free(eng)
     finally:
         eng.shutdown()
