@@ -48,7 +48,7 @@ def parse_args() -> argparse.Namespace:
             "DSPARK-budget",
             "DFLASH",
             "NGRAM",
-        ),  # fmt: skip
+        ),
         default=["DSPARK", "DFLASH", "NGRAM"],
         help="DSPARK-full-vocab: DSPARK drafting from the whole vocabulary (no token map); "
         "DSPARK-ngram-first: with --speculative-ngram-first",
