@@ -78,7 +78,7 @@ def test_mixed_batch_matches_dense_attention(dtype, batch, in_order) -> None:
     backend.prepare(meta)
     plan = meta.plan
     lone = isinstance(plan, _LonePlan)
-    assert lone == (batch.startswith("lone") and in_order)
+    assert lone == batch.startswith("lone")
     biases = [plan.bias] if lone else [plan.single_bias, plan.chain_bias]
     for bias in biases:  # masks in the queries' dtype
         assert bias is None or (bias.dtype == dtype and bias.device.type == "cpu")
@@ -117,7 +117,7 @@ def test_lone_non_causal_block_sees_every_key(prefix, n, in_order) -> None:
     )  # fmt: skip
     backend = TorchAttentionBackend(pool)
     backend.prepare(meta)
-    assert isinstance(meta.plan, _LonePlan) == (in_order or pages == 1)
+    assert isinstance(meta.plan, _LonePlan)
     q = torch.randn(n, H, D, generator=g)
     out = backend.forward(0, q, k[prefix:], v[prefix:], meta)
     rep = H // HKV
@@ -125,6 +125,37 @@ def test_lone_non_causal_block_sees_every_key(prefix, n, in_order) -> None:
     vv = v.repeat_interleave(rep, dim=1).transpose(0, 1)
     ref = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv).transpose(0, 1)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "block"])
+@pytest.mark.parametrize("batch", [b for b in BATCHES if b.startswith("lone")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_lone_request_reads_the_same_whatever_its_pages(dtype, batch, causal) -> None:
+    """The same request on pages in one run (a view of the pool), reversed or
+    shuffled (gathered): bit for bit the same output, so a request's
+    logprobs do not depend on which pages the pool handed it."""
+    ((prefix, n),) = BATCHES[batch]
+    g = torch.Generator().manual_seed(3)
+    pages = -(-(prefix + n) // PS)
+    k = torch.randn(prefix + n, HKV, D, generator=g).to(dtype)
+    v = torch.randn(prefix + n, HKV, D, generator=g).to(dtype)
+    q = torch.randn(n, H, D, generator=g).to(dtype)
+    run = list(range(3, 3 + pages))
+    shuffled = [run[i] for i in torch.randperm(pages, generator=g).tolist()]
+    outs = []
+    for table in (run, run[::-1], shuffled):
+        pool = KVPool(1, 16, PS, HKV, D, dtype, "cpu")
+        slots = torch.tensor([table[p // PS] * PS + p % PS for p in range(prefix + n)])
+        pool.store(0, slots[:prefix], k[:prefix], v[:prefix])
+        meta = AttentionMetadata(
+            torch.arange(prefix, prefix + n), slots[prefix:], [n], [prefix + n], [table], PS,
+            causal=causal,
+        )  # fmt: skip
+        backend = TorchAttentionBackend(pool)
+        backend.prepare(meta)
+        assert isinstance(meta.plan, _LonePlan) and (meta.plan.pages is None) == (table == run)
+        outs.append(backend.forward(0, q, k[prefix:], v[prefix:], meta))
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 @pytest.mark.parametrize(

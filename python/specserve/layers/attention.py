@@ -93,12 +93,15 @@ class _TorchPlan:
 
 @dataclass
 class _LonePlan:
-    """One request whose pages hold its ``kv_len`` positions in one ascending
-    run: its keys and values are the pool's slots ``[start, stop)``, read as
-    a view (no gather, no padding to mask)."""
+    """One request: its ``kv_len`` keys and values exactly (no padding to
+    mask), the pool's slots ``[start, stop)`` read as a view when its pages
+    are one ascending run, else its pages gathered and cut to ``kv_len``.
+    Either way SDPA sees the same tensors, so a request's logprobs do not
+    depend on which pages it was given."""
 
     start: int
     stop: int
+    pages: torch.Tensor | None  # [P] to gather; None: the run's view
     # The queries' mask: None when each sees every key (one query, or a
     # non-causal block), or when ``is_causal`` says it (a fresh prefill);
     # else 0 / -inf ``[q_len, kv_len]`` (a chain over a cached prefix).
@@ -160,15 +163,18 @@ class TorchAttentionBackend(AttentionBackend):
         meta.plan = plan
 
     def _plan_lone(self, meta: AttentionMetadata) -> _LonePlan | None:
-        """A lone request's plan when its pages are one run (None otherwise):
-        a batch of one is the common case of a quiet server, and this plan
+        """A lone request's plan (None when a page slid out of a window): a
+        batch of one is the common case of a quiet server, and this plan
         costs a few host ops where the general one builds index tensors."""
         q_len, kv_len, ps = meta.q_lens[0], meta.kv_lens[0], meta.page_size
-        first = _run_start(page_tensor(meta.page_tables[0], kv_len, ps))
-        if first is None:
+        table = page_tensor(meta.page_tables[0], kv_len, ps)
+        if not table or min(table) < 0:  # (-1: a page slid out of a window)
             return None
-        start = first * ps
-        plan = _LonePlan(start, start + kv_len, None)
+        first = _run_start(table)
+        if first is None:
+            plan = _LonePlan(0, kv_len, upload(table, meta.positions.device), None)
+        else:
+            plan = _LonePlan(first * ps, first * ps + kv_len, None, None)
         if meta.causal and q_len > 1:
             if q_len == kv_len:
                 plan.is_causal = True
@@ -226,7 +232,11 @@ class TorchAttentionBackend(AttentionBackend):
         self.kv_pool.store(layer, meta.slot_mapping, k, v)
         gqa = q.shape[1] != k.shape[1]
         if isinstance(plan, _LonePlan):
-            keys, values = k_cache[plan.start : plan.stop], v_cache[plan.start : plan.stop]
+            if plan.pages is None:
+                keys, values = k_cache[plan.start : plan.stop], v_cache[plan.start : plan.stop]
+            else:
+                keys = self._gather(k_cache, plan.pages, meta.page_size)[: plan.stop]
+                values = self._gather(v_cache, plan.pages, meta.page_size)[: plan.stop]
             if q.shape[0] == 1:
                 return _decode_attention(q, keys[None], values[None], None)
             # Batched 4-D: CPU SDPA takes a 3-D call at about 3x the time.
@@ -286,8 +296,6 @@ class TorchAttentionBackend(AttentionBackend):
 
 def _run_start(pages: list[int]) -> int | None:
     """The first of ``pages`` if they are one ascending run."""
-    if not pages or pages[0] < 0:  # (-1: a page slid out of a window)
-        return None
     first = pages[0]
     if any(p != first + i for i, p in enumerate(pages)):
         return None
