@@ -1,21 +1,27 @@
-"""The logits head: float32 logits accumulated in float32 for bf16 weights."""
+"""The linears: float32 logits accumulated in float32 for bf16 weights, and\nthe CPU's packed (oneDNN) serving matmuls against ``F.linear``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from specserve.layers.linear import LogitsHead
+import specserve.layers.linear as linear_mod
+from specserve.layers.linear import FusedLinears, Linear, LogitsHead, MergedLinear
 
 
+@pytest.mark.parametrize("serving", [True, False], ids=["packed", "training"])
 @pytest.mark.parametrize("shape", [(5, 64), (3, 4, 64)], ids=["rows", "blocks"])
-def test_bf16_weights_give_unrounded_float32_logits(shape) -> None:
+def test_bf16_weights_give_unrounded_float32_logits(shape, serving) -> None:
     g = torch.Generator().manual_seed(0)
     head = LogitsHead(64, 1000).to(torch.bfloat16)
     with torch.no_grad():
         head.weight.copy_(torch.randn(1000, 64, generator=g) * 2)
+    head.post_load()
     x = torch.randn(*shape, generator=g).to(torch.bfloat16)
-    out = head(x)
+    mode = torch.inference_mode if serving else torch.enable_grad
+    with mode():
+        out = head(x)
     assert out.dtype == torch.float32 and out.shape == (*shape[:-1], 1000)
     exact = x.double() @ head.weight.double().t()
     assert (out.double() - exact).abs().max() < 1e-4
@@ -25,12 +31,14 @@ def test_bf16_weights_give_unrounded_float32_logits(shape) -> None:
     # Reloading the weight in place refreshes the float32 copy.
     with torch.no_grad():
         head.weight.mul_(2)
-    torch.testing.assert_close(head(x), out * 2, atol=1e-4, rtol=0)
+    with mode():
+        torch.testing.assert_close(head(x), out * 2, atol=1e-4, rtol=0)
 
 
-def test_post_load_lays_the_cpu_head_k_major_and_keeps_every_value() -> None:
-    """Shape and values stay (a tied embedding reads the same rows); only the
-    strides change, and the logits equal a plain float64 product."""
+def test_post_load_keeps_a_tied_head_and_its_embedding_as_they_are() -> None:
+    """Packing copies: the shared weight keeps its shape, layout and values (a
+    tied embedding reads the same rows), and the logits equal a float64
+    product, packed (serving) or not."""
     g = torch.Generator().manual_seed(1)
     emb = torch.nn.Embedding(1000, 64)
     head = LogitsHead(64, 1000)
@@ -39,15 +47,92 @@ def test_post_load_lays_the_cpu_head_k_major_and_keeps_every_value() -> None:
     head.weight = emb.weight  # tied
     before = emb.weight.detach().clone()
     head.post_load()
-    assert head.weight.shape == (1000, 64) and head.weight.stride() == (1, 1000)
-    assert torch.equal(emb.weight, before)
+    assert head.weight.stride() == (64, 1) and torch.equal(emb.weight, before)
     ids = torch.tensor([3, 999, 0])
     assert torch.equal(emb(ids), before[ids])
     x = torch.randn(7, 64, generator=g)
     exact = x.double() @ before.double().t()
+    with torch.inference_mode():
+        served = head(x)
+    assert (served.double() - exact).abs().max() < 1e-4
     assert (head(x).double() - exact).abs().max() < 1e-4
-    head.post_load()  # idempotent
-    assert head.weight.stride() == (1, 1000)
+
+
+def _serving_calls(monkeypatch) -> list[int]:
+    """Counts the matmuls that run over a packed weight."""
+    calls: list[int] = []
+    real = linear_mod.packed_linear
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(linear_mod, "packed_linear", counted)
+    return calls
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 48), (8, 48), (2, 7, 48)], ids=["row", "chain", "blocks"])
+def test_serving_linears_run_packed_and_equal_f_linear(monkeypatch, dtype, shape) -> None:
+    """Linear, MergedLinear, FusedLinears (whole and a row slice) and the
+    logits head: in inference mode each runs over its packed weight and
+    agrees with ``F.linear`` to float rounding; with gradients on, none does."""
+    g = torch.Generator().manual_seed(2)
+    lin = Linear(48, 40, bias=True)
+    merged = MergedLinear(48, [16, 24], bias=False)
+    parts = (torch.nn.Linear(48, 16), torch.nn.Linear(48, 24))
+    head = LogitsHead(48, 300)
+    with torch.no_grad():
+        for p in (lin.weight, lin.bias, merged.weight, head.weight, *parts[0].parameters()):
+            p.copy_(torch.randn(p.shape, generator=g))
+    for m in (lin, merged, head, *parts):
+        m.to(dtype)
+    fused = FusedLinears(*parts)
+    fused.fuse_()
+    for m in (lin, merged, head):
+        m.post_load()
+    # a strided input, as an attention output reshaped
+    x = torch.randn(*shape[:-1], 96, generator=g).to(dtype)[..., ::2]
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    cases = [
+        (lin.forward, lambda: F.linear(x, lin.weight, lin.bias)),
+        (merged.forward, lambda: F.linear(x, merged.weight)),
+        (fused, lambda: F.linear(x, fused.weight, fused.bias)),
+        (
+            lambda v: fused(v, slice(16, None)),
+            lambda: F.linear(x, *(p for p in parts[1].parameters())),
+        ),
+        (head, lambda: F.linear(x.float(), head.weight.float())),
+    ]
+    calls = _serving_calls(monkeypatch)
+    for run, reference in cases:
+        with torch.inference_mode():
+            got = run(x)
+        want = reference()
+        assert got.shape == want.shape and got.dtype == want.dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=tol * 10, rtol=tol)
+    assert len(calls) == len(cases)
+    calls.clear()
+    for run, _ in cases:
+        run(x)
+    assert not calls, "a matmul that records gradients must not take the packed path"
+
+
+def test_packed_weight_follows_the_weight_and_gradients_flow() -> None:
+    """An in-place change of the weight (a reload, a training step) repacks;
+    with gradients on, the unpacked path trains the weight."""
+    lin = Linear(16, 8, bias=False)
+    lin.post_load()
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        first = lin.forward(x)
+    with torch.no_grad():
+        lin.weight.mul_(-2)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin.forward(x), first * -2, atol=1e-5, rtol=1e-5)
+    lin.forward(x).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, x.sum(0).expand(8, 16))
 
 
 @pytest.mark.gpu

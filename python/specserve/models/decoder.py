@@ -7,13 +7,12 @@ Parameter names follow the HF checkpoints except the fused projections
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.layers.activation import gated_act, get_activation
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
-from specserve.layers.linear import LogitsHead, MergedLinear, k_major_
+from specserve.layers.linear import Linear, LogitsHead, MergedLinear
 from specserve.layers.norm import RMSNorm, rms_norm
 from specserve.layers.rotary import RotaryEmbedding
 
@@ -29,7 +28,7 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = MergedLinear(
             cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.eps = cfg.rms_norm_eps
@@ -59,10 +58,7 @@ class DecoderAttention(nn.Module):
         """Normed, rotated queries and keys and the values ``[T, heads, D]``
         (``rope``: ``RotaryEmbedding.at`` the batch's positions)."""
         t = x.shape[0]
-        # F.linear on the weights directly: module calls cost more than the
-        # matmuls of a small model at decode batch sizes.
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        heads = qkv.view(t, -1, self.head_dim)  # [T, H + 2 * Hkv, D]
+        heads = self.qkv_proj.forward(x).view(t, -1, self.head_dim)  # [T, H + 2 * Hkv, D]
         n_qk = self.num_heads + self.num_kv_heads
         qk, v = heads[:, :n_qk], heads[:, n_qk:]
         if self.qk_norm_weight is not None:
@@ -76,12 +72,11 @@ class DecoderMLP(nn.Module):
         super().__init__()
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = get_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return F.linear(gated_act(gate_up, self.act), self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj.forward(gated_act(self.gate_up_proj.forward(x), self.act))
 
 
 class DecoderLayer(nn.Module):
@@ -104,7 +99,7 @@ def after_attention(layer: DecoderLayer, h: torch.Tensor, o: torch.Tensor) -> to
     """A layer's dense part after attention (``o [T, H, D]``): the output
     projection and residual, the post-attention norm, the MLP and residual."""
     attn = layer.self_attn
-    h = h + F.linear(o.reshape(o.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
+    h = h + attn.o_proj.forward(o.reshape(o.shape[0], -1))
     return h + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
 
 
@@ -168,14 +163,14 @@ class DecoderForCausalLM(nn.Module):
         self._after = torch.compile(after_attention, dynamic=True)
 
     def post_load(self) -> None:
-        """Rebuilds state derived from the weights; the loader calls it. On
-        the CPU the projections whose matmuls run faster K-major are laid so
-        (q|k|v, o, gate|up and the lm_head: 3-8% of a decode or verify
-        forward on the demo; ``down_proj`` is faster as it is)."""
+        """Rebuilds state derived from the weights; the loader calls it: the
+        q/k norm weights side by side, and on the CPU every projection's
+        packed weight (``PackedWeight``)."""
         for layer in self.model.layers:
-            layer.self_attn.post_load()
-            for w in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
-                k_major_(w.weight)
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.post_load()
+            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                lin.post_load()
         self.lm_head.post_load()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

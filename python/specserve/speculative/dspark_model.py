@@ -25,7 +25,7 @@ from torch import nn
 
 from specserve.config import ModelConfig, RopeConfig, parse_rope
 from specserve.layers.activation import gated_act
-from specserve.layers.linear import FusedLinears, LogitsHead, k_major_
+from specserve.layers.linear import FusedLinears, Linear, LogitsHead, k_major_
 from specserve.layers.norm import RMSNorm, rms_norm
 from specserve.layers.rotary import RotaryEmbedding
 from specserve.speculative.block_drafter import BlockDrafter, ConfidenceHead, MarkovHead
@@ -113,7 +113,7 @@ class DraftAttention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, h * dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv * dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv * dim, bias=bias)
-        self.o_proj = nn.Linear(h * dim, cfg.hidden_size, bias=bias)
+        self.o_proj = Linear(h * dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(dim, cfg.rms_norm_eps)
         # One matmul for q|k|v of the block (k|v of the context: its last rows).
@@ -122,6 +122,7 @@ class DraftAttention(nn.Module):
 
     def post_load(self) -> None:
         self.qkv.fuse_()
+        self.o_proj.post_load()
         self._qk_norm = self._qk_norm_weight()
 
     def _qk_norm_weight(self) -> torch.Tensor:
@@ -169,7 +170,7 @@ class DraftAttention(nn.Module):
             .split([self.num_heads, self.num_kv_heads], dim=-2)
         )
         o = attend(layer, q, k, v[n:].view(r, g, self.num_kv_heads, self.head_dim))  # [R, G, H, D]
-        return F.linear(o.reshape(r, g, -1), self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj.forward(o.reshape(r, g, -1))
 
 
 @dataclass
@@ -228,11 +229,11 @@ class DraftMLP(nn.Module):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(gated_act(self.gate_up(x), F.silu), self.down_proj.weight)
+        return self.down_proj.forward(gated_act(self.gate_up(x), F.silu))
 
 
 class DSparkDraftModel(BlockDrafter):
@@ -248,7 +249,7 @@ class DSparkDraftModel(BlockDrafter):
         d = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
         self.lm_head = LogitsHead(d, cfg.vocab_size)
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * d, d, bias=False)
+        self.fc = Linear(len(cfg.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -281,13 +282,15 @@ class DSparkDraftModel(BlockDrafter):
         return self.vocab_logits(hidden)
 
     def post_load(self) -> None:
-        """After the weights are in: the fused projections, and the weights whose
-        matmuls run faster K-major laid so on the CPU (see ``k_major_``)."""
+        """After the weights are in: the fused projections, the packed weights
+        of the CPU's matmuls (``PackedWeight``), and the Markov head's weight
+        K-major (see ``k_major_``)."""
         self.lm_head.post_load()
+        self.fc.post_load()
         for layer in self.layers:
             layer.self_attn.post_load()
-            k_major_(layer.self_attn.o_proj.weight)
             layer.mlp.gate_up.fuse_()
+            layer.mlp.down_proj.post_load()
         if self.markov_head is not None:
             k_major_(self.markov_head.markov_w2.weight)
 
@@ -303,7 +306,7 @@ class DSparkDraftModel(BlockDrafter):
 
     def context_hidden(self, features: torch.Tensor) -> torch.Tensor:
         """``[n, m * d]`` captured target layers -> the fused context state ``[n, d]``."""
-        return self.hidden_norm(self.fc(features))
+        return self.hidden_norm(self.fc.forward(features))
 
     # ---- the block ----------------------------------------------------------
 
