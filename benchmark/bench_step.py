@@ -3,9 +3,9 @@ step's matmuls run back to back alone.
 
 For each dtype and batch size, an engine decodes ``--batch-size`` prompts
 (greedy) and every decode step is timed; then the forward's matmuls (each
-layer's fused q|k|v, o, gate|up and down projections, and the lm_head, with
-the weights the engine holds, as it lays them out) run alone on inputs of the
-step's shape. The two alternate ``--repeats`` times and the medians are
+layer's fused q|k|v, o, gate|up and down projections, and the lm_head, run
+as the engine runs them: on the CPU over their packed weights) run alone on
+inputs of the step's shape. The two alternate ``--repeats`` times and the medians are
 compared: 1.0x would mean the step costs nothing beyond its matmuls.
 
     python benchmark/bench_step.py                      # the bundled demo
@@ -20,9 +20,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,27 +36,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def matmuls(model) -> list[torch.Tensor]:
-    """The weights a decode forward multiplies by, in order."""
+def matmuls(model) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]]:
+    """The projections a decode forward runs, in order, as the engine runs
+    them (on the CPU over their packed weights), each with its weight."""
     out = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        out += [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight]
-        out.append(mlp.down_proj.weight)
-    out.append(model.lm_head.cpu_weight())
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            out.append((lin.forward, lin.weight))
+    out.append((model.lm_head.forward, model.lm_head.weight))
     return out
 
 
-def time_matmuls(weights: list[torch.Tensor], batch: int, steps: int) -> float:
-    """Seconds per pass of every matmul, back to back."""
-    inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights]
+def time_matmuls(
+    projections: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]],
+    batch: int,
+    steps: int,
+) -> float:
+    """Seconds per pass of every projection, back to back."""
+    inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype) for _, w in projections]
     with torch.inference_mode():
-        for x, w in zip(inputs, weights):  # warm-up
-            F.linear(x, w)
+        for x, (run, _) in zip(inputs, projections):  # warm-up
+            run(x)
         start = time.perf_counter()
         for _ in range(steps):
-            for x, w in zip(inputs, weights):
-                F.linear(x, w)
+            for x, (run, _) in zip(inputs, projections):
+                run(x)
         return (time.perf_counter() - start) / steps
 
 
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             max_total_tokens=bs_max * (16 + args.steps + 16),
         )
         try:
-            weights = matmuls(eng.runner.model)
+            projections = matmuls(eng.runner.model)
             g = torch.Generator().manual_seed(0)
             for bs in args.batch_sizes:
                 prompts = torch.randint(4, 500, (bs, 16), generator=g).tolist()
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 step_s, mm_s = [], []
                 for _ in range(args.repeats):
                     step_s.append(time_steps(eng, prompts, args.steps))
-                    mm_s.append(time_matmuls(weights, bs, args.steps))
+                    mm_s.append(time_matmuls(projections, bs, args.steps))
                 step, mm = statistics.median(step_s), statistics.median(mm_s)
                 rows.append(
                     {
