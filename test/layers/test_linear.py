@@ -14,15 +14,16 @@ from specserve.layers.linear import FusedLinears, Linear, LogitsHead, MergedLine
 @pytest.mark.parametrize("shape", [(5, 64), (3, 4, 64)], ids=["rows", "blocks"])
 def test_bf16_weights_give_unrounded_float32_logits(shape, serving) -> None:
     g = torch.Generator().manual_seed(0)
-    head = LogitsHead(64, 1000).to(torch.bfloat16)
+    head = LogitsHead(64, 1024).to(torch.bfloat16)
     with torch.no_grad():
-        head.weight.copy_(torch.randn(1000, 64, generator=g) * 2)
+        head.weight.copy_(torch.randn(1024, 64, generator=g) * 2)
     head.post_load()
     x = torch.randn(*shape, generator=g).to(torch.bfloat16)
     mode = torch.inference_mode if serving else torch.enable_grad
+    assert head.packed._of is not None  # (big enough to be packed)
     with mode():
         out = head(x)
-    assert out.dtype == torch.float32 and out.shape == (*shape[:-1], 1000)
+    assert out.dtype == torch.float32 and out.shape == (*shape[:-1], 1024)
     exact = x.double() @ head.weight.double().t()
     assert (out.double() - exact).abs().max() < 1e-4
     # What a bf16 matmul then .float() gives is off by far more.
@@ -73,16 +74,17 @@ def _serving_calls(monkeypatch) -> list[int]:
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 48), (8, 48), (2, 7, 48)], ids=["row", "chain", "blocks"])
+@pytest.mark.parametrize("shape", [(1, 256), (8, 256), (2, 7, 256)], ids=["row", "chain", "blocks"])
 def test_serving_linears_run_packed_and_equal_f_linear(monkeypatch, dtype, shape) -> None:
     """Linear, MergedLinear, FusedLinears (whole and a row slice) and the
     logits head: in inference mode each runs over its packed weight and
     agrees with ``F.linear`` to float rounding; with gradients on, none does."""
     g = torch.Generator().manual_seed(2)
-    lin = Linear(48, 40, bias=True)
-    merged = MergedLinear(48, [16, 24], bias=False)
-    parts = (torch.nn.Linear(48, 16), torch.nn.Linear(48, 24))
-    head = LogitsHead(48, 300)
+    # every weight at least PACK_MIN_ELEMENTS
+    lin = Linear(256, 256, bias=True)
+    merged = MergedLinear(256, [128, 128], bias=False)
+    parts = (torch.nn.Linear(256, 128), torch.nn.Linear(256, 256))
+    head = LogitsHead(256, 300)
     with torch.no_grad():
         for p in (lin.weight, lin.bias, merged.weight, head.weight, *parts[0].parameters()):
             p.copy_(torch.randn(p.shape, generator=g))
@@ -93,14 +95,14 @@ def test_serving_linears_run_packed_and_equal_f_linear(monkeypatch, dtype, shape
     for m in (lin, merged, head):
         m.post_load()
     # a strided input, as an attention output reshaped
-    x = torch.randn(*shape[:-1], 96, generator=g).to(dtype)[..., ::2]
+    x = torch.randn(*shape[:-1], 512, generator=g).to(dtype)[..., ::2]
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     cases = [
         (lin.forward, lambda: F.linear(x, lin.weight, lin.bias)),
         (merged.forward, lambda: F.linear(x, merged.weight)),
         (fused, lambda: F.linear(x, fused.weight, fused.bias)),
         (
-            lambda v: fused(v, slice(16, None)),
+            lambda v: fused(v, slice(128, None)),
             lambda: F.linear(x, *(p for p in parts[1].parameters())),
         ),
         (head, lambda: F.linear(x.float(), head.weight.float())),
@@ -119,12 +121,26 @@ def test_serving_linears_run_packed_and_equal_f_linear(monkeypatch, dtype, shape
     assert not calls, "a matmul that records gradients must not take the packed path"
 
 
+def test_small_weights_stay_on_f_linear(monkeypatch) -> None:
+    """Below PACK_MIN_ELEMENTS oneDNN's fixed cost outweighs the matmul:
+    nothing is packed, and serving multiplies by the weight itself."""
+    lin = Linear(64, 32)
+    assert lin.weight.numel() < linear_mod.PACK_MIN_ELEMENTS
+    lin.post_load()
+    calls = _serving_calls(monkeypatch)
+    x = torch.randn(4, 64)
+    with torch.inference_mode():
+        out = lin.forward(x)
+    assert not calls and lin.packed._of is None
+    torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), atol=0, rtol=0)
+
+
 def test_packed_weight_follows_the_weight_and_gradients_flow() -> None:
     """An in-place change of the weight (a reload, a training step) repacks;
     with gradients on, the unpacked path trains the weight."""
-    lin = Linear(16, 8, bias=False)
+    lin = Linear(256, 256, bias=False)
     lin.post_load()
-    x = torch.randn(3, 16)
+    x = torch.randn(3, 256)
     with torch.inference_mode():
         first = lin.forward(x)
     with torch.no_grad():
@@ -132,7 +148,7 @@ def test_packed_weight_follows_the_weight_and_gradients_flow() -> None:
     with torch.inference_mode():
         torch.testing.assert_close(lin.forward(x), first * -2, atol=1e-5, rtol=1e-5)
     lin.forward(x).sum().backward()
-    torch.testing.assert_close(lin.weight.grad, x.sum(0).expand(8, 16))
+    torch.testing.assert_close(lin.weight.grad, x.sum(0).expand(256, 256))
 
 
 @pytest.mark.gpu

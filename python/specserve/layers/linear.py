@@ -8,6 +8,10 @@ from torch import nn
 # weight prepacking builds, without compiling anything.
 _ONEDNN = torch.backends.mkldnn.is_available()
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# Smaller weights stay on F.linear: below this oneDNN's fixed cost per call
+# (~15 us here) outweighs the matmul (a tiny test model ran 16-21% slower
+# packed; every projection of the demo target is at least this big).
+PACK_MIN_ELEMENTS = 1 << 16
 
 
 class PackedWeight:
@@ -41,18 +45,25 @@ class PackedWeight:
 
     def pack(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """Packs now (after loading), where serving will use the packed copy."""
-        if _ONEDNN and weight.device.type == "cpu" and (dtype or weight.dtype) in _ONEDNN_DTYPES:
+        if (
+            _ONEDNN
+            and weight.device.type == "cpu"
+            and (dtype or weight.dtype) in _ONEDNN_DTYPES
+            and weight.numel() >= PACK_MIN_ELEMENTS
+        ):
             self.get(weight, dtype)
 
 
-def packs(x: torch.Tensor) -> bool:
-    """Whether a matmul on ``x`` runs over a packed weight: on the CPU, eager,
-    with nothing recording gradients (serving)."""
+def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x`` times ``weight`` runs over the packed weight: on the CPU,
+    eager, with nothing recording gradients (serving), for a weight of at
+    least ``PACK_MIN_ELEMENTS``."""
     return (
         _ONEDNN
         and not torch.is_grad_enabled()
         and x.device.type == "cpu"
         and x.dtype in _ONEDNN_DTYPES
+        and weight.numel() >= PACK_MIN_ELEMENTS
         and not torch.compiler.is_compiling()
     )
 
@@ -71,9 +82,10 @@ def linear(
     bias: torch.Tensor | None,
     packed: PackedWeight,
 ) -> torch.Tensor:  # [..., out]
-    """``F.linear``, over ``packed`` where ``packs(x)`` (the values agree to
-    float rounding); ``F.linear`` itself when training, compiling, or elsewhere."""
-    if x.dtype == weight.dtype and packs(x):
+    """``F.linear``, over ``packed`` where ``packs`` says so (the values agree
+    to float rounding); ``F.linear`` itself when training, compiling, or
+    elsewhere."""
+    if x.dtype == weight.dtype and packs(x, weight):
         return packed_linear(x, packed.get(weight), bias)
     return F.linear(x, weight, bias)
 
@@ -144,10 +156,11 @@ class FusedLinears:
 
     def __call__(self, x: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
         """``x [..., in]`` -> ``[..., sum(out)]`` (or the output ``rows`` only)."""
-        if self.weight is not None and packs(x):
+        w = self.weight
+        if w is not None and x.dtype == w.dtype and packs(x, w):
             # The packed weight is the whole one: every row, then the slice.
-            return linear(x, self.weight, self.bias, self.packed)[..., rows]
-        w, b = (self.weight, self.bias) if self.weight is not None else self._joined()
+            return packed_linear(x, self.packed.get(w), self.bias)[..., rows]
+        w, b = (w, self.bias) if w is not None else self._joined()
         return F.linear(x, w[rows], None if b is None else b[rows])
 
 
@@ -203,6 +216,6 @@ class LogitsHead(nn.Linear):
             out = torch.mm(flat, w.t(), out_dtype=torch.float32)
             return out.view(*x.shape[:-1], w.shape[0])
         xf = x.float()
-        if packs(xf):
+        if packs(xf, w):
             return packed_linear(xf, self.packed.get(w, torch.float32))
         return F.linear(xf, w if w.dtype == torch.float32 else self.cpu_weight())

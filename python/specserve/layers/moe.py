@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.layers.linear import Linear, PackedWeight, linear
+
 if TYPE_CHECKING:
     from specserve.models.deepseek_v4_config import DeepseekV4Config
 
@@ -39,14 +41,14 @@ class SharedExpert(nn.Module):
 
     def __init__(self, hidden: int, inter: int, limit: float) -> None:
         super().__init__()
-        self.w1 = nn.Linear(hidden, inter, bias=False)
-        self.w2 = nn.Linear(inter, hidden, bias=False)
-        self.w3 = nn.Linear(hidden, inter, bias=False)
+        self.w1 = Linear(hidden, inter, bias=False)
+        self.w2 = Linear(inter, hidden, bias=False)
+        self.w3 = Linear(hidden, inter, bias=False)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = torch.cat([F.linear(x, self.w1.weight), F.linear(x, self.w3.weight)], dim=-1)
-        return F.linear(clamped_swiglu(gate_up, self.limit), self.w2.weight)
+        gate_up = torch.cat([self.w1.forward(x), self.w3.forward(x)], dim=-1)
+        return self.w2.forward(clamped_swiglu(gate_up, self.limit))
 
 
 class Router(nn.Module):
@@ -92,6 +94,13 @@ class RoutedExperts(nn.Module):
         self.inter, self.limit = inter, limit
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        # Each expert's packed w1|w3 and w2 (on the CPU; see PackedWeight).
+        self.packed = [(PackedWeight(), PackedWeight()) for _ in range(num_experts)]
+
+    def post_load(self) -> None:
+        for e, (p13, p2) in enumerate(self.packed):
+            p13.pack(self.w13[e])
+            p2.pack(self.w2[e])
 
     def checkpoint_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         out = {}
@@ -117,8 +126,11 @@ class RoutedExperts(nn.Module):
         start = 0
         for e, c in enumerate(counts):
             if c:
-                h = clamped_swiglu(F.linear(xs[start : start + c], self.w13[e]), self.limit)
-                out[start : start + c] = F.linear(h, self.w2[e])
+                p13, p2 = self.packed[e]
+                h = clamped_swiglu(
+                    linear(xs[start : start + c], self.w13[e], None, p13), self.limit
+                )
+                out[start : start + c] = linear(h, self.w2[e], None, p2)
                 start += c
         out = out * weights.flatten()[order, None].to(out.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, out)

@@ -27,8 +27,8 @@ from specserve.layers.hyper_connection import (
     expand,
     unweighted_rms_norm,
 )
-from specserve.layers.linear import LogitsHead
-from specserve.layers.moe import MoE
+from specserve.layers.linear import Linear, LogitsHead
+from specserve.layers.moe import MoE, RoutedExperts
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import rope_inv_freq
 from specserve.models.deepseek_v4_config import CSA, SLIDING
@@ -120,7 +120,7 @@ class Indexer(nn.Module):
         super().__init__()
         v4 = cfg.deepseek_v4
         self.heads, self.dim, self.top_k = v4.index_n_heads, v4.index_head_dim, v4.index_topk
-        self.wq_b = nn.Linear(v4.q_lora_rank, self.heads * self.dim, bias=False)
+        self.wq_b = Linear(v4.q_lora_rank, self.heads * self.dim, bias=False)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.heads, bias=False)
         self.compressor = Compressor(cfg.hidden_size, self.dim, rate, True, cfg.rms_norm_eps)
 
@@ -132,13 +132,13 @@ class Attention(nn.Module):
         h, d = cfg.num_attention_heads, cfg.head_dim
         self.heads, self.head_dim, self.rope = h, d, rope
         self.groups, self.eps = v4.o_groups, cfg.rms_norm_eps
-        self.wq_a = nn.Linear(cfg.hidden_size, v4.q_lora_rank, bias=False)
+        self.wq_a = Linear(cfg.hidden_size, v4.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(v4.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = nn.Linear(v4.q_lora_rank, h * d, bias=False)
-        self.wkv = nn.Linear(cfg.hidden_size, d, bias=False)
+        self.wq_b = Linear(v4.q_lora_rank, h * d, bias=False)
+        self.wkv = Linear(cfg.hidden_size, d, bias=False)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.wo_a = nn.Linear(h * d // self.groups, self.groups * v4.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(self.groups * v4.o_lora_rank, cfg.hidden_size, bias=False)
+        self.wo_b = Linear(self.groups * v4.o_lora_rank, cfg.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.empty(h))
         self.rate = v4.rate(kind) if kind != SLIDING else 0
         self.compressor = (
@@ -168,7 +168,7 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 ix = self.indexer
                 ix.compressor(x, layer, compress_rope, backend, meta, index=True)
-                qi = F.linear(q_res, ix.wq_b.weight).view(t, ix.heads, ix.dim)
+                qi = ix.wq_b.forward(q_res).view(t, ix.heads, ix.dim)
                 qi = compress_rope.rotate(qi, at[compress_rope])
                 w = F.linear(x.float(), ix.weights_proj.weight.float()) * ix.heads**-0.5
                 entries = backend.select(layer, qi, w, self.rate, ix.top_k, meta)
@@ -179,13 +179,13 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated queries ``[T, H, D]`` and the low-rank query ``[T, q_lora]``."""
-        q_res = self.q_norm.forward(F.linear(x, self.wq_a.weight))
-        q = F.linear(q_res, self.wq_b.weight).view(x.shape[0], self.heads, self.head_dim)
+        q_res = self.q_norm.forward(self.wq_a.forward(x))
+        q = self.wq_b.forward(q_res).view(x.shape[0], self.heads, self.head_dim)
         return self.rope.rotate(unweighted_rms_norm(q, self.eps), cos_sin), q_res
 
     def key(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The shared key (= value) ``[T, D]``, normed and rotated."""
-        kv = self.norm.forward(F.linear(x, self.wkv.weight))
+        kv = self.norm.forward(self.wkv.forward(x))
         return self.rope.rotate(kv[:, None, :], cos_sin)[:, 0]
 
     def output(self, o: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -195,7 +195,15 @@ class Attention(nn.Module):
         o = self.rope.rotate(o, cos_sin, inverse=True).reshape(t, self.groups, -1)
         wa = self.wo_a.weight.view(self.groups, -1, o.shape[-1])  # [G, r, H * D / G]
         grouped = torch.einsum("tgi,gri->tgr", o, wa).reshape(t, -1)
-        return F.linear(grouped, self.wo_b.weight)
+        return self.wo_b.forward(grouped)
+
+
+def pack_weights(module: nn.Module) -> None:
+    """After the weights are in: on the CPU, the packed weights
+    (``PackedWeight``) of every projection and expert under ``module``."""
+    for m in module.modules():
+        if isinstance(m, (Linear, RoutedExperts)):
+            m.post_load()
 
 
 class Block(nn.Module):
@@ -269,6 +277,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         return out
 
     def post_load(self) -> None:
+        pack_weights(self)
         self.head.post_load()
 
     # ---- the forward --------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig
+from specserve.models.deepseek_v4 import pack_weights
 from specserve.models.loader import checkpoint_files, keep_fp32_, load_state, materialize
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.block_drafter import BlockDrafter
@@ -154,6 +155,7 @@ def load_v4_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
     model.embed, model.head = runner.model.embed, runner.model.head
     what = f"{dcfg.num_stages}-stage DeepSeek-V4 DSpark drafter"
     load_state(model, checkpoint_files(path), what, fp8_block=tcfg.fp8_block)
+    pack_weights(model.stages)
     model = model.requires_grad_(False).eval()
     if spec.token_map:
         model.restrict_vocab(load_token_map(spec.token_map, tcfg.vocab_size, runner.device))

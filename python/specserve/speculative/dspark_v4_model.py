@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig
@@ -33,7 +32,7 @@ from specserve.layers.hyper_connection import (
     HyperHead,
     expand,
 )
-from specserve.layers.linear import LogitsHead
+from specserve.layers.linear import Linear, LogitsHead
 from specserve.layers.moe import MoE
 from specserve.layers.norm import RMSNorm
 from specserve.models.deepseek_v4 import (
@@ -144,7 +143,7 @@ class Stage(nn.Module):
         hc = (v4.hc_mult, d, v4.hc_sinkhorn_iters, v4.hc_eps, cfg.rms_norm_eps)
         self.hc_attn, self.hc_ffn = HyperConnection(*hc), HyperConnection(*hc)
         if features:
-            self.main_proj = nn.Linear(features, d, bias=False)
+            self.main_proj = Linear(features, d, bias=False)
             self.main_norm = RMSNorm(d, cfg.rms_norm_eps)
         if last:
             self.norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -238,7 +237,7 @@ class DSparkV4DraftModel(BlockDrafter):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per stage, keys (= values) ``[n, 1, D]`` of context features ``[n, m * d]``."""
         first = self.stages[0]
-        x = first.main_norm.forward(F.linear(features, first.main_proj.weight))  # [n, d]
+        x = first.main_norm.forward(first.main_proj.forward(features))  # [n, d]
         keys = [stage.attn.context_key(x, positions)[:, None, :] for stage in self.stages]
         return [(k, k) for k in keys]
 
