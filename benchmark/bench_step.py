@@ -3,10 +3,11 @@ step's matmuls run back to back alone.
 
 For each dtype and batch size, an engine decodes ``--batch-size`` prompts
 (greedy) and every decode step is timed; then the forward's matmuls (each
-layer's fused q|k|v, o, gate|up and down projections, and the lm_head, run
-as the engine runs them: on the CPU over their packed weights) run alone on
-inputs of the step's shape. The two alternate ``--repeats`` times and the medians are
-compared: 1.0x would mean the step costs nothing beyond its matmuls.
+layer's fused q|k|v, o, gate|up and down projections, and the lm_head, as
+the engine runs them: on the CPU over their packed weights) run alone on
+inputs of the step's shape. The two alternate ``--repeats`` times and the
+medians are compared: 1.0x would mean the step costs nothing beyond its
+matmuls.
 
     python benchmark/bench_step.py                      # the bundled demo
     python benchmark/bench_step.py --model-path M --dtypes float32 bfloat16
