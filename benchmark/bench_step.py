@@ -37,7 +37,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def matmuls(model) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]]:
+# A projection as the engine runs it, and its weight.
+Projection = tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def matmuls(model) -> list[Projection]:
     """The projections a decode forward runs, in order, as the engine runs
     them (on the CPU over their packed weights), each with its weight."""
     out = []
@@ -49,11 +53,7 @@ def matmuls(model) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.T
     return out
 
 
-def time_matmuls(
-    projections: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]],
-    batch: int,
-    steps: int,
-) -> float:
+def time_matmuls(projections: list[Projection], batch: int, steps: int) -> float:
     """Seconds per pass of every projection, back to back."""
     inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype) for _, w in projections]
     with torch.inference_mode():

@@ -97,6 +97,22 @@ def test_mixed_batch_matches_dense_attention(dtype, batch, in_order) -> None:
         row += n
 
 
+def lone_forward(table, prefix, q, k, v, causal):
+    """One request on the pages ``table``: its first ``prefix`` keys and values
+    cached, the rest ``q``'s; its plan and the attention output."""
+    n = q.shape[0]
+    pool = KVPool(1, 16, PS, HKV, D, k.dtype, "cpu")
+    slots = torch.tensor([table[p // PS] * PS + p % PS for p in range(prefix + n)])
+    pool.store(0, slots[:prefix], k[:prefix], v[:prefix])
+    meta = AttentionMetadata(
+        torch.arange(prefix, prefix + n), slots[prefix:], [n], [prefix + n], [table], PS,
+        causal=causal,
+    )  # fmt: skip
+    backend = TorchAttentionBackend(pool)
+    backend.prepare(meta)
+    return meta.plan, backend.forward(0, q, k[prefix:], v[prefix:], meta)
+
+
 @pytest.mark.parametrize("in_order", [False, True], ids=["pages-reversed", "pages-in-order"])
 @pytest.mark.parametrize(("prefix", "n"), [(9, 4), (0, 4), (6, 1)], ids=["block", "fresh", "one"])
 def test_lone_non_causal_block_sees_every_key(prefix, n, in_order) -> None:
@@ -106,20 +122,11 @@ def test_lone_non_causal_block_sees_every_key(prefix, n, in_order) -> None:
     pages = -(-(prefix + n) // PS)
     table = list(range(2, 2 + pages))
     table = table if in_order else table[::-1]
-    pool = KVPool(1, 16, PS, HKV, D, torch.float32, "cpu")
     k = torch.randn(prefix + n, HKV, D, generator=g)
     v = torch.randn(prefix + n, HKV, D, generator=g)
-    slots = torch.tensor([table[p // PS] * PS + p % PS for p in range(prefix + n)])
-    pool.store(0, slots[:prefix], k[:prefix], v[:prefix])
-    meta = AttentionMetadata(
-        torch.arange(prefix, prefix + n), slots[prefix:], [n], [prefix + n], [table], PS,
-        causal=False,
-    )  # fmt: skip
-    backend = TorchAttentionBackend(pool)
-    backend.prepare(meta)
-    assert isinstance(meta.plan, _LonePlan)
     q = torch.randn(n, H, D, generator=g)
-    out = backend.forward(0, q, k[prefix:], v[prefix:], meta)
+    plan, out = lone_forward(table, prefix, q, k, v, causal=False)
+    assert isinstance(plan, _LonePlan)
     rep = H // HKV
     kk = k.repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, L, D]
     vv = v.repeat_interleave(rep, dim=1).transpose(0, 1)
@@ -144,17 +151,9 @@ def test_a_lone_request_reads_the_same_whatever_its_pages(dtype, batch, causal) 
     shuffled = [run[i] for i in torch.randperm(pages, generator=g).tolist()]
     outs = []
     for table in (run, run[::-1], shuffled):
-        pool = KVPool(1, 16, PS, HKV, D, dtype, "cpu")
-        slots = torch.tensor([table[p // PS] * PS + p % PS for p in range(prefix + n)])
-        pool.store(0, slots[:prefix], k[:prefix], v[:prefix])
-        meta = AttentionMetadata(
-            torch.arange(prefix, prefix + n), slots[prefix:], [n], [prefix + n], [table], PS,
-            causal=causal,
-        )  # fmt: skip
-        backend = TorchAttentionBackend(pool)
-        backend.prepare(meta)
-        assert isinstance(meta.plan, _LonePlan) and (meta.plan.pages is None) == (table == run)
-        outs.append(backend.forward(0, q, k[prefix:], v[prefix:], meta))
+        plan, out = lone_forward(table, prefix, q, k, v, causal)
+        assert isinstance(plan, _LonePlan) and (plan.pages is None) == (table == run)
+        outs.append(out)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 

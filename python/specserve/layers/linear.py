@@ -45,13 +45,18 @@ class PackedWeight:
 
     def pack(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """Packs now (after loading), where serving will use the packed copy."""
-        if (
-            _ONEDNN
-            and weight.device.type == "cpu"
-            and (dtype or weight.dtype) in _ONEDNN_DTYPES
-            and weight.numel() >= PACK_MIN_ELEMENTS
-        ):
+        if _packable(weight.device, dtype or weight.dtype, weight):
             self.get(weight, dtype)
+
+
+def _packable(device: torch.device, dtype: torch.dtype, weight: torch.Tensor) -> bool:
+    """oneDNN takes a matmul in ``dtype`` on ``device`` by ``weight``."""
+    return (
+        _ONEDNN
+        and device.type == "cpu"
+        and dtype in _ONEDNN_DTYPES
+        and weight.numel() >= PACK_MIN_ELEMENTS
+    )
 
 
 def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -59,11 +64,8 @@ def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     eager, with nothing recording gradients (serving), for a weight of at
     least ``PACK_MIN_ELEMENTS``."""
     return (
-        _ONEDNN
-        and not torch.is_grad_enabled()
-        and x.device.type == "cpu"
-        and x.dtype in _ONEDNN_DTYPES
-        and weight.numel() >= PACK_MIN_ELEMENTS
+        not torch.is_grad_enabled()
+        and _packable(x.device, x.dtype, weight)
         and not torch.compiler.is_compiling()
     )
 

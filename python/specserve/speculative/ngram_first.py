@@ -35,14 +35,12 @@ class NgramFirstProposer(Proposer):
         if not rest:
             return DraftProposal(tokens, q)
         drafted = self.drafter.propose([reqs[i] for i in rest], [max_lens[i] for i in rest])
+        # Lookup drafts carry no estimate: the drafter's verify policy
+        # (threshold or budget) takes them as certain.
+        confidence = None if drafted.confidence is None else [[1.0] * len(t) for t in tokens]
         for j, i in enumerate(rest):
             tokens[i], q[i] = drafted.tokens[j], drafted.q[j]
-        confidence = None
-        if drafted.confidence is not None:
-            # Lookup drafts carry no estimate: the drafter's verify policy
-            # (threshold or budget) takes them as certain.
-            confidence = [[1.0] * len(t) for t in tokens]
-            for j, i in enumerate(rest):
+            if confidence is not None:
                 confidence[i] = drafted.confidence[j]
         return DraftProposal(tokens, q, confidence)
 
