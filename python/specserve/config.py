@@ -354,6 +354,11 @@ class EngineConfig:
     # torch.compile the target layers' dense parts (off: on this project's CPUs
     # eager is faster, see docs/benchmarks.md).
     enable_torch_compile: bool = False
+    # CUDA graphs for the target's DECODE and VERIFY steps (CUDA, Triton
+    # attention): captured for batches up to cuda_graph_max_bs (None: 64, at
+    # most max_running_requests); larger or mixed batches run eagerly.
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
     # On CUDA the engine runs a few tiny requests at start-up, so that every
     # common kernel variant is compiled before the first user's request.
     skip_server_warmup: bool = False
@@ -381,6 +386,8 @@ class EngineConfig:
             raise ValueError(
                 f"grammar_backend must be xgrammar or none, got {self.grammar_backend!r}"
             )
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
 

@@ -68,6 +68,12 @@ class Engine:
             drafter.activation_bytes if drafter is not None else 0,
         )
         self.proposer = proposer or build_proposer(self.config, self.runner, drafter)
+        if self.proposer is not None:
+            self.runner.capture_graphs(
+                self.proposer.max_drafts + 1, self.proposer.capture_layer_ids
+            )
+        else:
+            self.runner.capture_graphs(1)
         self.core = EngineCore(self.config, self.runner, self.tokenizer, self.proposer)
         mc = self.runner.model_config
         self.eos_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids

@@ -13,7 +13,11 @@ from specserve.cache.block_pool import CacheGroup, cache_groups
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig, ModelConfig
 from specserve.core import BatchEntry, ScheduledBatch
-from specserve.layers.attention import AttentionBackend, make_attention_backend
+from specserve.layers.attention import (
+    AttentionBackend,
+    TritonAttentionBackend,
+    make_attention_backend,
+)
 from specserve.layers.compressed_attention import (
     GATHER_BUDGET,
     CompressedAttentionBackend,
@@ -22,6 +26,7 @@ from specserve.layers.compressed_attention import (
     describe_kv,
 )
 from specserve.models.loader import load_model
+from specserve.runner.cuda_graph_runner import Capture, CudaGraphRunner, cuda_graph_capture
 from specserve.runner.input_builder import build_inputs
 
 logger = logging.getLogger(__name__)
@@ -61,6 +66,7 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         self.page_size = config.cache.page_size
         self.cache_groups: tuple[CacheGroup, ...] = cache_groups(self.model_config)
+        self.graphs: CudaGraphRunner | None = None  # set by capture_graphs
         if allocate_kv:
             self.allocate_kv(extra_kv_bytes_per_page)
 
@@ -84,9 +90,11 @@ class ModelRunner:
             )
         ]
         self.capacity_tokens = self.num_pages * self.page_size
+        # One page past the allocator's: where a captured step's padding
+        # tokens write their K/V (no request owns it).
         self.kv_pool = KVPool(
             mc.num_hidden_layers,
-            self.num_pages,
+            self.num_pages + 1,
             self.page_size,
             mc.num_key_value_heads,
             mc.head_dim,
@@ -96,6 +104,46 @@ class ModelRunner:
         self.attn_backend: AttentionBackend = make_attention_backend(
             self.config.attention_backend, self.kv_pool, mc.num_attention_heads, self.device
         )
+
+    def capture_graphs(
+        self,
+        chain: int,
+        capture_layer_ids: tuple[int, ...] = (),
+        capture: Capture | None = None,
+    ) -> bool:
+        """Captures the DECODE and VERIFY forwards (``chain``: the longest
+        verify chain, 1 without speculation; ``capture_layer_ids``: the layers
+        every forward captures for a proposer) for batches up to
+        ``cuda_graph_max_bs``. On CUDA with the Triton attention backend
+        unless ``disable_cuda_graph``; ``capture`` (tests) captures anywhere.
+        Returns whether graphs were captured."""
+        cfg = self.config
+        if capture is None:
+            if cfg.disable_cuda_graph or self.device.type != "cuda":
+                return False
+            capture = cuda_graph_capture(self.device)
+        if not isinstance(self.attn_backend, TritonAttentionBackend):
+            if cfg.attention_backend == "triton" or self.device.type == "cuda":
+                logger.info("CUDA graphs: off (they need the Triton attention backend)")
+            return False
+        max_bs = min(cfg.cuda_graph_max_bs or 64, cfg.scheduler.max_running_requests)
+        start = time.perf_counter()
+        self.graphs = CudaGraphRunner(
+            self.model,
+            self.attn_backend,
+            self.page_size,
+            self.context_length,
+            self.num_pages * self.page_size,
+            chain,
+            capture_layer_ids,
+            max_bs,
+            capture,
+        )
+        logger.info(
+            "captured %d forwards (batch buckets %s, chains of 1 and %d) in %.1fs",
+            len(self.graphs.graphs), self.graphs.buckets, chain, time.perf_counter() - start,
+        )  # fmt: skip
+        return True
 
     def describe_kv(self) -> str:
         """DeepSeek-V4's KV bytes per token of each layer kind."""
@@ -183,15 +231,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> ForwardOutput:
+        offsets = [0]
+        for e in batch.entries:
+            offsets.append(offsets[-1] + len(e.logit_rows))
+        shape = self.graphs.shape_for(batch) if self.graphs is not None else None
+        if shape is not None:
+            assert self.graphs is not None
+            logits, cap = self.graphs.replay(batch, shape)
+            return ForwardOutput(logits=logits, row_offsets=offsets, captured=cap)
         inputs = build_inputs(batch, self.page_size, self.device)
         self.attn_backend.prepare(inputs.meta)
         hidden, captured = self.model(
             inputs.input_ids, inputs.meta, self.attn_backend, batch.capture_layer_ids
         )
         logits = self.model.compute_logits(hidden[inputs.logit_index])
-        offsets = [0]
-        for e in batch.entries:
-            offsets.append(offsets[-1] + len(e.logit_rows))
         cap = torch.cat(captured, dim=-1) if captured else None
         return ForwardOutput(logits=logits, row_offsets=offsets, captured=cap)
 

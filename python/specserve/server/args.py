@@ -80,6 +80,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "attention stays the paged backend",
     )
     g.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        default=None,
+        help="run every step eagerly instead of replaying captured decode/verify forwards (CUDA)",
+    )
+    g.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        help="largest batch a CUDA graph is captured for (default 64, at most "
+        "--max-running-requests); larger batches run eagerly",
+    )
+    g.add_argument(
         "--skip-server-warmup",
         action="store_true",
         default=None,

@@ -1,0 +1,226 @@
+"""Captured target forwards: DECODE and VERIFY steps replayed from CUDA graphs.
+
+A step whose entries all feed a chain ``[anchor, drafts]`` of at most
+``chain`` tokens and want every row's logits (DECODE is the chain of one)
+is padded to a batch bucket, and each chain to one width (1 when every
+entry decodes, else ``chain``), then run as one replay of the graph
+captured for that (width, bucket): one launch for the whole forward
+instead of dozens of kernels per layer. Everything a graph reads sits in
+static buffers that a replay refills: token ids, positions, KV slots, and
+the paged-attention layout's KV lengths and page tables; the layout's
+tiles depend only on the shape, so they are fixed at capture. Padding
+tokens (the tail of a short chain, the entries past the batch) write their
+K/V to a scratch slot past the pool's pages and their rows are dropped;
+the real rows read exactly what they read eagerly (a padding row comes
+after them in its chain and a padding entry is a request of its own).
+Prefill chunks and mixed batches run eagerly.
+
+Only the Triton attention backend qualifies: its plan lives on the device,
+while the torch backend plans each forward on the host. ``capture`` turns a
+zero-argument forward into its replay: CUDA graphs on a GPU
+(``cuda_graph_capture``); the CPU tests use ``replay_eagerly``, which reruns
+the same function on the same buffers and plan, so everything here but the
+graph itself is checked without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from specserve.cache.block_pool import page_slots
+from specserve.core import ScheduledBatch
+from specserve.kernels.paged_attention import plan_layout
+from specserve.layers.attention import AttentionMetadata, TritonAttentionBackend
+
+# (logits [N, V] float32, captured layers [N, m * d] or None) of a padded forward.
+Outputs = tuple[torch.Tensor, torch.Tensor | None]
+Forward = Callable[[], Outputs]
+Capture = Callable[[Forward], Forward]
+
+
+def batch_buckets(max_bs: int) -> list[int]:
+    """The batch sizes graphs are captured for: 1, 2, 4, 8, then every 8th,
+    and ``max_bs`` itself (SGLang's spacing; a batch pads to the next one)."""
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 8))
+    return sizes if sizes[-1] == max_bs else [*sizes, max_bs]
+
+
+def replay_eagerly(forward: Forward) -> Forward:
+    """A capture that is no capture: the replay calls ``forward`` again (on
+    the same static buffers). For checking the buffers and padding without CUDA."""
+    forward()
+    return forward
+
+
+def cuda_graph_capture(device: torch.device) -> Capture:
+    """CUDA graphs sharing one memory pool (captured largest first, the
+    smaller ones reuse its blocks). Each forward runs twice on a side stream
+    first, so that kernels compile and allocations settle before capture."""
+    pool = torch.cuda.graph_pool_handle()
+
+    def capture(forward: Forward) -> Forward:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
+
+        def replay() -> Outputs:
+            graph.replay()
+            return out
+
+        return replay
+
+    return capture
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    width: int  # tokens per entry: 1 (decode) or the verify chain
+    batch: int  # entries, a bucket
+
+
+class CudaGraphRunner:
+    """The captured forwards of one target model over its KV pool."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: TritonAttentionBackend,
+        page_size: int,
+        context_length: int,
+        scratch_slot: int,
+        chain: int,
+        capture_layer_ids: tuple[int, ...],
+        max_bs: int,
+        capture: Capture,
+    ) -> None:
+        """``scratch_slot``: a KV slot no request owns (padding writes there);
+        ``chain``: the longest verify chain (1: decoding only)."""
+        self.model = model
+        self.backend = backend
+        self.page_size = page_size
+        self.chain = chain
+        self.capture_layer_ids = capture_layer_ids
+        self.scratch_slot = scratch_slot
+        self.buckets = batch_buckets(max_bs)
+        # A padded chain reaches ``chain`` positions past the context's last page.
+        self.max_pages = -(-(context_length + chain) // page_size)
+        device = next(model.parameters()).device
+        self.device = device
+        most = self.buckets[-1] * chain
+        # ids | positions | slots, one upload per replay.
+        self.tokens = torch.zeros(3, most, dtype=torch.int64, device=device)
+        self.tokens[2].fill_(scratch_slot)
+        self.kv_lens = torch.ones(self.buckets[-1], dtype=torch.int32, device=device)
+        self.page_table = torch.zeros(
+            self.buckets[-1], self.max_pages, dtype=torch.int32, device=device
+        )
+        self.graphs: dict[GraphShape, Forward] = {}
+        self.replays: Counter[GraphShape] = Counter()  # by shape, over the runner's life
+        widths = [1] if chain == 1 else [1, chain]
+        with torch.inference_mode():
+            for width in widths:
+                for bs in reversed(self.buckets):
+                    shape = GraphShape(width, bs)
+                    self.kv_lens[:bs].fill_(width)  # padding entries: a chain from position 0
+                    self.graphs[shape] = capture(self._forward(shape))
+
+    def _forward(self, shape: GraphShape) -> Forward:
+        """The padded forward of ``shape`` over the static buffers, its
+        metadata built once (the host-side lists are never read again)."""
+        n = shape.batch * shape.width
+        ids, positions, slots = self.tokens[0, :n], self.tokens[1, :n], self.tokens[2, :n]
+        q_lens = [shape.width] * shape.batch
+        fixed = plan_layout(
+            q_lens, q_lens, [[0]] * shape.batch, self.page_size, self.device, self.backend.group
+        )
+        layout = replace(
+            fixed, kv_lens=self.kv_lens[: shape.batch], page_table=self.page_table[: shape.batch]
+        )
+        meta = AttentionMetadata(
+            positions=positions,
+            slot_mapping=slots,
+            q_lens=q_lens,
+            kv_lens=q_lens,
+            page_tables=[[0]] * shape.batch,
+            page_size=self.page_size,
+            plan=layout,
+        )
+
+        def forward() -> Outputs:
+            hidden, captured = self.model(ids, meta, self.backend, self.capture_layer_ids)
+            logits = self.model.compute_logits(hidden)
+            return logits, torch.cat(captured, dim=-1) if captured else None
+
+        return forward
+
+    def shape_for(self, batch: ScheduledBatch) -> GraphShape | None:
+        """The captured shape ``batch`` replays in, or None (run it eagerly)."""
+        entries = batch.entries
+        if not entries or len(entries) > self.buckets[-1]:
+            return None
+        if batch.capture_layer_ids != self.capture_layer_ids:
+            return None
+        width = 1
+        for e in entries:
+            n = len(e.token_ids)
+            if n > self.chain or e.entry_tables or len(e.logit_rows) != n:
+                return None
+            if e.logit_rows != list(range(n)):
+                return None
+            width = max(width, n)
+        width = 1 if width == 1 else self.chain
+        bs = next(b for b in self.buckets if b >= len(entries))
+        return GraphShape(width, bs)
+
+    def replay(
+        self, batch: ScheduledBatch, shape: GraphShape
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``[R, V]`` of the entries' logit rows in entry order (a view
+        of the graph's output: valid until the next forward) and the captured
+        layers ``[T, m * d]`` of the fed tokens (a copy: proposers keep them)."""
+        w, ps, entries = shape.width, self.page_size, batch.entries
+        n = shape.batch * w
+        # Padding entries: token 0 at positions 0.., K/V to the scratch slot.
+        ids, positions, slots = [0] * n, [0] * n, [self.scratch_slot] * n
+        kv_lens = [w] * shape.batch
+        rows: list[int] = []  # the real tokens' rows of the padded batch
+        width = max(len(e.page_table) for e in entries)
+        tables = []
+        for b, e in enumerate(entries):
+            k, at, p = len(e.token_ids), b * w, e.prefix_len
+            ids[at : at + k] = e.token_ids
+            # A chain's padding rows continue its positions (inside the RoPE
+            # table, which reaches a chain past the context).
+            positions[at : at + w] = range(p, p + w)
+            slots[at : at + k] = page_slots(e.page_table, p, p + k, ps)
+            kv_lens[b] = p + w
+            rows.extend(range(at, at + k))
+            tables.append(e.page_table + [0] * (width - len(e.page_table)))
+        assert max(kv_lens) <= self.max_pages * ps, "a chain past the page-table buffer"
+        self.tokens[:, :n].copy_(torch.tensor([ids, positions, slots]), non_blocking=True)
+        self.kv_lens[: shape.batch].copy_(
+            torch.tensor(kv_lens, dtype=torch.int32), non_blocking=True
+        )
+        self.page_table[: len(entries), :width].copy_(
+            torch.tensor(tables, dtype=torch.int32), non_blocking=True
+        )
+        logits, captured = self.graphs[shape]()
+        self.replays[shape] += 1
+        if len(rows) == rows[-1] + 1:  # every row real up to the last: a prefix
+            out = logits[: len(rows)]
+            cap = None if captured is None else captured[: len(rows)].clone()
+        else:
+            index = torch.tensor(rows, device=self.device)
+            out = logits.index_select(0, index)
+            cap = None if captured is None else captured.index_select(0, index)
+        return out, cap
