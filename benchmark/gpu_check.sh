@@ -7,8 +7,9 @@
 #
 # Stages, each under its own timeout so one hang cannot eat the rest: the
 # versions, the gpu-marked tests (kernels at full vocab, paged attention at
-# Qwen3-8B shapes, the engine in bf16 on the demo, a Qwen3-8B-shaped model
-# under load), bench_kernels.py and bench_spec.py on the demo. Everything
+# Qwen3-8B shapes, the engine in bf16 on the demo, CUDA graphs against eager
+# steps, a Qwen3-8B-shaped model under load), bench_kernels.py,
+# bench_cuda_graph.py and bench_spec.py on the demo. Everything
 # goes to OUTDIR: gpu_check.log and a few JSON files (at most 8 files).
 # The timeouts add up to under 9 minutes. Exits 1 if any stage failed. On a
 # machine without CUDA the tests skip in seconds and the benchmarks are left out.
@@ -54,8 +55,10 @@ stage gpu-tests 240 python -m pytest -m gpu -p no:cacheprovider -q -rs \
 if [ -z "$dry" ] && ! python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
     echo "gpu_check: no CUDA device: the gpu tests skipped, the benchmarks are left out" | tee -a "$log"
 else
-    stage bench-kernels 100 python benchmark/bench_kernels.py --output-json "$out/bench_kernels.json"
-    stage bench-spec 160 python benchmark/bench_spec.py --demo --dataset held-in \
+    stage bench-kernels 70 python benchmark/bench_kernels.py --output-json "$out/bench_kernels.json"
+    stage bench-cuda-graph 90 python benchmark/bench_cuda_graph.py \
+        --output-json "$out/bench_cuda_graph.json"
+    stage bench-spec 100 python benchmark/bench_spec.py --demo --dataset held-in \
         --algorithms DSPARK --batch-sizes 1 8 32 --num-prompts 32 --input-len 64 \
         --output-len 64 --repeats 2 --output-json "$out/bench_spec.json"
 fi

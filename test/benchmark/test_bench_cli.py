@@ -55,7 +55,7 @@ def test_gpu_check_is_well_formed_and_skips_without_cuda(tmp_path) -> None:
     )
     assert dry.returncode == 0, dry.stderr
     stages = [line.split()[1] for line in dry.stdout.splitlines() if line.startswith("== ")]
-    assert stages == ["versions", "gpu-tests", "bench-kernels", "bench-spec"]
+    assert stages == ["versions", "gpu-tests", "bench-kernels", "bench-cuda-graph", "bench-spec"]
     if torch.cuda.is_available():
         return
     # The real run, on a CPU machine: the gpu tests skip and nothing else runs.
@@ -65,6 +65,15 @@ def test_gpu_check_is_well_formed_and_skips_without_cuda(tmp_path) -> None:
     assert done.returncode == 0, done.stdout[-3000:]
     assert "needs a CUDA device" in done.stdout and "benchmarks are left out" in done.stdout
     assert os.path.isfile(tmp_path / "out" / "gpu_check.log")
+
+
+def test_cuda_graph_benchmark_exits_0_without_cuda() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("measures on CUDA instead")
+    done = run("bench_cuda_graph.py")
+    assert done.returncode == 0 and "no CUDA device" in done.stdout, done.stderr
 
 
 def test_llama_cpp_comparison_says_what_it_lacks_and_exits_0() -> None:

@@ -3,7 +3,7 @@
 What the GPU check proves in one run: bf16 plain decoding against a float32
 oracle (torch backends), DSPARK bf16 against plain bf16, on the bundled demo,
 greedy, 16 prompts x 64 tokens with top-5 logprobs; the Triton kernels ran
-(and their references did not); a seeded sampled run repeats exactly; and a
+(and their references did not); CUDA graphs give what eager steps give; a seeded sampled run repeats exactly; and a
 Qwen3-8B-shaped model with a drafter survives 64 concurrent requests at
 mem_fraction_static 0.9. Only what the GPU machine has is imported: no
 server, no grammar backend.
@@ -131,6 +131,39 @@ def test_demo_bf16_plain_and_dspark_against_float32(monkeypatch) -> None:
         assert calls.get(name, 0) > 0, calls
     for name in ("row_logprobs_ref", "greedy_verify_ref", "forward"):
         assert calls.get(name, 0) == 0, calls
+
+
+def test_cuda_graphs_equal_eager_steps() -> None:
+    """Replayed DECODE / VERIFY forwards (the CUDA default) against the same
+    engine with ``disable_cuda_graph``, float32, plain and DSPARK: batches of
+    8 (a bucket) and 5 (padded to 8, and short chains padded to one width).
+    The same ids, logprobs to 1e-4 (a padded GEMM may round differently)."""
+    from specserve.assets import demo_path
+
+    spec = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": demo_path("dspark")}
+    results, used = {}, {}
+    for eager in (True, False):
+        for name, extra in (("plain", {}), ("dspark", spec)):
+            eng = demo_engine(dtype="float32", disable_cuda_graph=eager, **extra)
+            try:
+                assert (eng.runner.graphs is None) == eager
+                prompts = held_in_prompts(eng.tokenizer, 13, 48)
+                results[eager, name] = generate(eng, prompts[:8]) + generate(eng, prompts[8:])
+                if not eager:
+                    used[name] = {
+                        f"{s.width}x{s.batch}": n for s, n in eng.runner.graphs.replays.items()
+                    }
+            finally:
+                eng.shutdown()
+    record("cuda_graphs", {"replays": used})
+    assert any(k.startswith("1x") for k in used["plain"])
+    assert any(not k.startswith("1x") for k in used["dspark"])
+    for name in ("plain", "dspark"):
+        for a, b in zip(results[True, name], results[False, name]):
+            assert a["output_ids"] == b["output_ids"]
+            la = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+            lb = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
+            assert max(abs(x - y) for x, y in zip(la, lb)) <= 1e-4
 
 
 def test_seeded_sampling_repeats_exactly_on_cuda() -> None:

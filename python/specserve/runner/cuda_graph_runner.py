@@ -5,7 +5,8 @@ A step whose entries all feed a chain ``[anchor, drafts]`` of at most
 is padded to a batch bucket, and each chain to one width (1 when every
 entry decodes, else ``chain``), then run as one replay of the graph
 captured for that (width, bucket): one launch for the whole forward
-instead of dozens of kernels per layer. Everything a graph reads sits in
+instead of dozens of kernels per layer (the lm_head then runs eagerly on
+the real rows). Everything a graph reads sits in
 static buffers that a replay refills: token ids, positions, KV slots, and
 the paged-attention layout's KV lengths and page tables; the layout's
 tiles depend only on the shape, so they are fixed at capture. Padding
@@ -36,7 +37,7 @@ from specserve.core import ScheduledBatch
 from specserve.kernels.paged_attention import plan_layout
 from specserve.layers.attention import AttentionMetadata, TritonAttentionBackend
 
-# (logits [N, V] float32, captured layers [N, m * d] or None) of a padded forward.
+# (final hidden states [N, d], captured layers [N, m * d] or None) of a padded forward.
 Outputs = tuple[torch.Tensor, torch.Tensor | None]
 Forward = Callable[[], Outputs]
 Capture = Callable[[Forward], Forward]
@@ -126,7 +127,7 @@ class CudaGraphRunner:
         )
         self.graphs: dict[GraphShape, Forward] = {}
         self.replays: Counter[GraphShape] = Counter()  # by shape, over the runner's life
-        widths = [1] if chain == 1 else [1, chain]
+        widths = [1] if chain == 1 else [chain, 1]  # the largest forward first
         with torch.inference_mode():
             for width in widths:
                 for bs in reversed(self.buckets):
@@ -158,8 +159,7 @@ class CudaGraphRunner:
 
         def forward() -> Outputs:
             hidden, captured = self.model(ids, meta, self.backend, self.capture_layer_ids)
-            logits = self.model.compute_logits(hidden)
-            return logits, torch.cat(captured, dim=-1) if captured else None
+            return hidden, torch.cat(captured, dim=-1) if captured else None
 
         return forward
 
@@ -185,9 +185,9 @@ class CudaGraphRunner:
     def replay(
         self, batch: ScheduledBatch, shape: GraphShape
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits ``[R, V]`` of the entries' logit rows in entry order (a view
-        of the graph's output: valid until the next forward) and the captured
-        layers ``[T, m * d]`` of the fed tokens (a copy: proposers keep them)."""
+        """Logits ``[R, V]`` of the entries' logit rows, in entry order, and the
+        captured layers ``[T, m * d]`` of the fed tokens: both copies, not
+        views of the graph's buffers (proposers keep the features)."""
         w, ps, entries = shape.width, self.page_size, batch.entries
         n = shape.batch * w
         # Padding entries: token 0 at positions 0.., K/V to the scratch slot.
@@ -214,13 +214,15 @@ class CudaGraphRunner:
         self.page_table[: len(entries), :width].copy_(
             torch.tensor(tables, dtype=torch.int32), non_blocking=True
         )
-        logits, captured = self.graphs[shape]()
+        hidden, captured = self.graphs[shape]()
         self.replays[shape] += 1
         if len(rows) == rows[-1] + 1:  # every row real up to the last: a prefix
-            out = logits[: len(rows)]
-            cap = None if captured is None else captured[: len(rows)].clone()
+            hidden = hidden[: len(rows)]
+            captured = None if captured is None else captured[: len(rows)].clone()
         else:
             index = torch.tensor(rows, device=self.device)
-            out = logits.index_select(0, index)
-            cap = None if captured is None else captured.index_select(0, index)
-        return out, cap
+            hidden = hidden.index_select(0, index)
+            captured = None if captured is None else captured.index_select(0, index)
+        # The lm_head outside the graph: one GEMM over the real rows only, and
+        # no [N, V] output kept per captured graph.
+        return self.model.compute_logits(hidden), captured
