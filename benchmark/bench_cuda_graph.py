@@ -28,24 +28,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--device",
+        default="cuda",
+        help="cuda; cpu runs the script end to end with no graphs on either side (a dry run)",
+    )
     p.add_argument("--output-json")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
         print("bench_cuda_graph: no CUDA device; nothing to measure")
         return 0
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     from bench_spec import source_windows
     from specserve import Engine
-    from specserve.assets import demo_path
+    from specserve.assets import demo_path, demo_token_map
 
     spec = {
         "speculative_algorithm": "DSPARK",
         "speculative_draft_model_path": demo_path("dspark"),
-        "speculative_token_map": demo_path("token_map.pt"),
     }
+    if demo_token_map() is not None:
+        spec["speculative_token_map"] = demo_token_map()
     bs_max = max(args.batch_sizes)
     configs = {
         f"{name} {mode}": (extra, mode == "eager")
@@ -55,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = {
         label: Engine(
             model_path=demo_path("target"),
-            device="cuda",
+            device=args.device,
             dtype=args.dtype,
             grammar_backend="none",
             max_running_requests=bs_max,
@@ -76,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             rates: dict[str, list[float]] = {label: [] for label in engines}
             for _ in range(args.repeats):
                 for label, eng in engines.items():
-                    torch.cuda.synchronize()
+                    sync()
                     start = time.perf_counter()
                     eng.generate(input_ids=prompts, sampling_params=sp)
-                    torch.cuda.synchronize()
+                    sync()
                     rates[label].append(bs * args.output_len / (time.perf_counter() - start))
             med = {label: statistics.median(r) for label, r in rates.items()}
             rows.append(
@@ -94,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for eng in engines.values():
             eng.shutdown()
-    print(f"demo, {args.dtype}, held-out, {args.output_len} tokens, median of {args.repeats}")
+    print(
+        f"demo on {args.device}, {args.dtype}, held-out, {args.output_len} tokens, median of {args.repeats}"
+    )
     for r in rows:
         rates = ", ".join(f"{k} {v:.0f}" for k, v in r["tok_s"].items())
         print(

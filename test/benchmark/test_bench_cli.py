@@ -67,13 +67,16 @@ def test_gpu_check_is_well_formed_and_skips_without_cuda(tmp_path) -> None:
     assert os.path.isfile(tmp_path / "out" / "gpu_check.log")
 
 
-def test_cuda_graph_benchmark_exits_0_without_cuda() -> None:
+def test_cuda_graph_benchmark_exits_0_without_cuda_and_runs_on_the_cpu() -> None:
     import torch
 
-    if torch.cuda.is_available():
-        pytest.skip("measures on CUDA instead")
-    done = run("bench_cuda_graph.py")
-    assert done.returncode == 0 and "no CUDA device" in done.stdout, done.stderr
+    if not torch.cuda.is_available():
+        done = run("bench_cuda_graph.py")
+        assert done.returncode == 0 and "no CUDA device" in done.stdout, done.stderr
+    small = ("--batch-sizes", "2", "--input-len", "8", "--output-len", "4", "--repeats", "1")
+    done = run("bench_cuda_graph.py", "--device", "cpu", "--dtype", "float32", *small)
+    assert done.returncode == 0, done.stderr
+    assert "batch 2: tok/s plain graphs" in done.stdout
 
 
 def test_llama_cpp_comparison_says_what_it_lacks_and_exits_0() -> None:
