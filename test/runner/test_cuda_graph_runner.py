@@ -1,5 +1,5 @@
-"""Captured DECODE / VERIFY forwards (``runner/cuda_graph_runner.py``) on the
-CPU: the capture replays the same function eagerly on the static buffers and
+"""Captured DECODE / VERIFY forwards (``runner/cuda_graph_runner.py``) and
+DSpark block forwards (``speculative/block_graphs.py``) on the CPU: the capture replays the same function eagerly on the static buffers and
 plan (``replay_eagerly``), with the Triton attention kernel interpreted, so
 padding (entries up to a bucket, chains up to one width), the scratch slot
 and the buffer refills are checked against eager forwards without a GPU.
@@ -34,10 +34,7 @@ def engine(graphs: bool, **kw) -> Engine:
     )
     assert eng.runner.graphs is None  # never captured on the CPU by itself
     if graphs:
-        proposer = eng.proposer
-        chain = proposer.max_drafts + 1 if proposer is not None else 1
-        ids = proposer.capture_layer_ids if proposer is not None else ()
-        assert eng.runner.capture_graphs(chain, ids, capture=replay_eagerly)
+        assert eng.capture_graphs(replay_eagerly)
     return eng
 
 
@@ -98,16 +95,34 @@ def test_replayed_verify_chains_equal_plain_decoding(eager) -> None:
         eng.shutdown()
 
 
-def test_dspark_with_captured_features_equals_plain_decoding(eager, tmp_path) -> None:
-    """DSPARK reads target layers captured inside the replayed forward."""
+def test_dspark_replayed_equals_eager_and_plain_decoding(eager, tmp_path) -> None:
+    """DSPARK reads target layers captured inside the replayed forward, and
+    its block forward (each request's committed rows as context, padded to
+    one count) replays too: the drafts of every round are the eager
+    drafter's, and the output is plain decoding's."""
     drafter = make_tiny_dspark(str(tmp_path / "d"), model_path("qwen3"))
-    eng = engine(graphs=True, speculative_algorithm="DSPARK", speculative_draft_model_path=drafter)
-    try:
-        assert eng.runner.graphs.capture_layer_ids
-        assert_same(run(eng, PLAIN), eager)
-        assert any(s.width > 1 for s in eng.runner.graphs.replays)
-    finally:
-        eng.shutdown()
+    drafts = {}
+    for graphs in (False, True):
+        eng = engine(
+            graphs=graphs, speculative_algorithm="DSPARK", speculative_draft_model_path=drafter
+        )
+        try:
+            seen = drafts[graphs] = []
+            real = eng.proposer.propose
+
+            def recording(reqs, max_lens, real=real, seen=seen):
+                out = real(reqs, max_lens)
+                seen.append(out.tokens)
+                return out
+
+            eng.proposer.propose = recording
+            assert_same(run(eng, PLAIN), eager)
+            if graphs:
+                assert any(s.width > 1 for s in eng.runner.graphs.replays)
+                assert eng.proposer.graphs is not None and eng.proposer.graphs.replays > 0
+        finally:
+            eng.shutdown()
+    assert drafts[True] == drafts[False] and len(drafts[True]) > 5
 
 
 def test_shape_for_takes_only_uniform_decode_and_verify_steps() -> None:

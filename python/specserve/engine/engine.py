@@ -21,6 +21,7 @@ from specserve.engine.engine_core import EngineCore, RequestOutput
 from specserve.engine.request_factory import GenerateRequest, Limits, RequestFactory
 from specserve.engine.result import ResultCollector, format_output
 from specserve.grammar.base import GrammarBackend
+from specserve.runner.cuda_graph_runner import Capture
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.base import Proposer
 from specserve.speculative.factory import build_proposer, load_drafter
@@ -68,12 +69,7 @@ class Engine:
             drafter.activation_bytes if drafter is not None else 0,
         )
         self.proposer = proposer or build_proposer(self.config, self.runner, drafter)
-        if self.proposer is not None:
-            self.runner.capture_graphs(
-                self.proposer.max_drafts + 1, self.proposer.capture_layer_ids
-            )
-        else:
-            self.runner.capture_graphs(1)
+        self.capture_graphs()
         self.core = EngineCore(self.config, self.runner, self.tokenizer, self.proposer)
         mc = self.runner.model_config
         self.eos_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
@@ -116,6 +112,22 @@ class Engine:
             per_kind,
             self.runner.load_seconds,
         )
+
+    def capture_graphs(self, capture: Capture | None = None) -> bool:
+        """Captures the target's DECODE / VERIFY forwards and the proposer's
+        block forward (CUDA graphs, unless ``disable_cuda_graph``; the
+        runner says when they apply). ``capture``: another capture (tests
+        replay eagerly on the CPU). Returns whether anything was captured."""
+        p = self.proposer
+        chain = p.max_drafts + 1 if p is not None else 1
+        with device_scope(self.runner.device):
+            if not self.runner.capture_graphs(chain, p.capture_layer_ids if p else (), capture):
+                return False
+            graphs = self.runner.graphs
+            assert graphs is not None
+            if p is not None:
+                p.capture_graphs(graphs.capture, graphs.buckets, self.runner.context_length)
+        return True
 
     def warm_up(self) -> None:
         """Runs tiny requests through every kind of step (prefill chunks of

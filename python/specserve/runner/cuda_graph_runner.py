@@ -125,6 +125,7 @@ class CudaGraphRunner:
         self.page_table = torch.zeros(
             self.buckets[-1], self.max_pages, dtype=torch.int32, device=device
         )
+        self.capture = capture  # proposers capture their forwards with it too
         self.graphs: dict[GraphShape, Forward] = {}
         self.replays: Counter[GraphShape] = Counter()  # by shape, over the runner's life
         widths = [1] if chain == 1 else [chain, 1]  # the largest forward first

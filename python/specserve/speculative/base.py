@@ -9,7 +9,7 @@ from) and keeps whatever per-request state it needs in ``Req.draft_state``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,3 +50,10 @@ class Proposer(ABC):
     def release(self, req: Req) -> None:
         """Drops the request's draft state (finished, aborted or preempted)."""
         req.draft_state = None
+
+    def capture_graphs(  # noqa: B027
+        self, capture: Callable, buckets: list[int], context_length: int
+    ) -> None:
+        """Captures the proposer's own forwards for batch buckets ``buckets``
+        with the target's ``capture`` (``runner/cuda_graph_runner.py``), if
+        it has any worth capturing."""

@@ -32,10 +32,16 @@ from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig
 from specserve.core import Req
 from specserve.host import HostStaging, upload
-from specserve.layers.attention import AttentionMetadata, make_attention_backend
+from specserve.layers.attention import (
+    AttentionMetadata,
+    TritonAttentionBackend,
+    make_attention_backend,
+)
+from specserve.runner.cuda_graph_runner import Capture
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.base import DraftProposal, Proposer
 from specserve.speculative.block_drafter import BlockDrafter
+from specserve.speculative.block_graphs import BlockInputs, DraftBlockGraphs, paged_attend
 from specserve.speculative.confidence import SpsTable, budget_lengths, profile_sps, static_lengths
 from specserve.speculative.drafter_loader import LoadedDrafter, load_drafter, scratch_pages
 from specserve.speculative.dspark_model import Attend, ContextRows
@@ -82,6 +88,7 @@ class DSparkProposer(Proposer):
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed + 1)
         self.staging = HostStaging(device)
+        self.graphs: DraftBlockGraphs | None = None  # set by capture_graphs
 
     # ---- construction ----------------------------------------------------------
 
@@ -105,8 +112,9 @@ class DSparkProposer(Proposer):
                 dcfg.num_key_value_heads,
                 dcfg.head_dim,
             )
+        # One page past the allocator's: a captured block's padding writes there.
         kv = KVPool(
-            layers, pages, runner.page_size, kv_heads, head_dim, runner.dtype, runner.device
+            layers, pages + 1, runner.page_size, kv_heads, head_dim, runner.dtype, runner.device
         )
         blocks = BlockPool(pages, runner.page_size)
         sps = None
@@ -123,6 +131,22 @@ class DSparkProposer(Proposer):
         return cls(
             model, block, kv, blocks, spec.confidence_threshold, sps, config.random_seed,
             config.attention_backend,
+        )  # fmt: skip
+
+    def capture_graphs(self, capture: Capture, buckets: list[int], context_length: int) -> None:
+        """Captures the block forward for batch buckets ``buckets`` (with the
+        Triton attention backend, not for a windowed drafter; the draft pool
+        must hold a page past its allocator's)."""
+        scratch = self.block_pool.total_pages() * self.block_pool.page_size
+        if (
+            self.model.window is not None
+            or not isinstance(self.attn_backend, TritonAttentionBackend)
+            or self.kv_pool.k[0].shape[0] <= scratch
+        ):
+            return
+        self.graphs = DraftBlockGraphs(
+            self.model, self.attn_backend, self.kv_pool, self.max_drafts, context_length,
+            scratch, buckets, capture,
         )  # fmt: skip
 
     # ---- state -------------------------------------------------------------------
@@ -162,19 +186,6 @@ class DSparkProposer(Proposer):
         features = torch.cat(feats).to(self.model.feature_weight.dtype)
         return features, upload(positions, device), upload(slots, device)
 
-    def _context(self, reqs: Sequence[Req]) -> ContextRows | None:
-        """The pending features as context rows: the next block forward
-        computes and stores their K/V on its way."""
-        pending = self._pending(reqs)
-        if pending is None:
-            return None
-        features, positions, slots = pending
-
-        def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            self.kv_pool.store(layer, slots, k, v)
-
-        return ContextRows(self.model.context_hidden(features), positions, store)
-
     def _flush(self, reqs: Sequence[Req]) -> None:
         """Turns pending features into cached context K/V on their own (a
         prompt's, and the windowed drafter's, which gathers its context
@@ -212,44 +223,58 @@ class DSparkProposer(Proposer):
             assert pages is not None, "draft KV pool exhausted"
             st.pages.extend(pages)
 
-    def _block_metadata(self, reqs: Sequence[Req]) -> AttentionMetadata:
-        """The blocks as one non-causal paged batch: request ``i``'s block sits at
-        the positions after its context (pending features included), ``p ..
-        p + gamma - 1`` of its draft pages."""
+    def _block_inputs(self, reqs: Sequence[Req]) -> BlockInputs:
+        """Each request's pending features (the context rows the block forward
+        stores on its way) and its block at the positions after them, ``p ..
+        p + gamma - 1`` of its draft pages (covered here)."""
         g, ps = self.max_drafts, self.block_pool.page_size
-        positions, slots, kv_lens = [], [], []
+        feats: list[torch.Tensor] = []
+        x = BlockInputs(torch.empty(0), [], [], [], [], [], [], [])
         for r in reqs:
             st = r.draft_state
+            assert st is not None and st.ctx_len + st.pending_len == r.seq_len - 1, (
+                "the draft context must cover every position before the anchor"
+            )
             p = st.ctx_len + st.pending_len
-            end = p + g
-            self._cover(st, end)
-            positions.extend(range(p, end))
-            slots.extend(page_slots(st.pages, p, end, ps))
-            kv_lens.append(end)
-        device = self.model.feature_weight.device
-        return AttentionMetadata(
-            positions=upload(positions, device),
-            slot_mapping=upload(slots, device),
-            q_lens=[g] * len(reqs),
-            kv_lens=kv_lens,
-            page_tables=[r.draft_state.pages for r in reqs],
-            page_size=ps,
+            self._cover(st, p + g)
+            feats.extend(st.pending)
+            x.context_rows.append(st.pending_len)
+            x.context_positions.extend(range(st.ctx_len, p))
+            x.context_slots.extend(page_slots(st.pages, st.ctx_len, p, ps))
+            x.anchors.append(r.output_ids[-1])
+            x.starts.append(p)
+            x.block_slots.append(page_slots(st.pages, p, p + g, ps))
+            x.page_tables.append(st.pages)
+        w = self.model.feature_weight
+        x.features = torch.cat(feats).to(w.dtype) if feats else w.new_zeros(0, w.shape[1])
+        return x
+
+    def _eager_block(self, x: BlockInputs) -> torch.Tensor:
+        """The blocks' outputs ``[R, G, d]``, run op by op: a non-causal paged
+        batch over the draft pool, the pending rows' K/V computed on the way."""
+        g, device = self.max_drafts, self.model.feature_weight.device
+        context = None
+        if x.context_positions:
+            slots = upload(x.context_slots, device)
+
+            def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+                self.kv_pool.store(layer, slots, k, v)
+
+            hidden = self.model.context_hidden(x.features)
+            context = ContextRows(hidden, upload(x.context_positions, device), store)
+        meta = AttentionMetadata(
+            positions=upload([p + j for p in x.starts for j in range(g)], device),
+            slot_mapping=upload([s for row in x.block_slots for s in row], device),
+            q_lens=[g] * len(x.starts),
+            kv_lens=[p + g for p in x.starts],
+            page_tables=x.page_tables,
+            page_size=self.block_pool.page_size,
             causal=False,
         )
-
-    def _paged_attend(self, meta: AttentionMetadata) -> Attend:
-        backend = self.attn_backend
-        backend.prepare(meta)
-
-        def attend(layer: int, q: torch.Tensor, bk: torch.Tensor, bv: torch.Tensor) -> torch.Tensor:
-            rows = q.shape[0] * q.shape[1]
-            o = backend.forward(
-                layer, q.reshape(rows, *q.shape[2:]), bk.reshape(rows, *bk.shape[2:]),
-                bv.reshape(rows, *bv.shape[2:]), meta,
-            )  # fmt: skip
-            return o.view(q.shape)
-
-        return attend
+        self.attn_backend.prepare(meta)
+        attend = paged_attend(self.attn_backend, meta)
+        anchors, starts = upload(x.anchors, device), upload(x.starts, device)
+        return self.model.block_hidden(anchors, starts, attend, g, context)
 
     def _window_attend(self, reqs: Sequence[Req]) -> Attend:
         """Each block over the last ``window`` context positions before its
@@ -273,31 +298,30 @@ class DSparkProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> DraftProposal:
-        context = None
+        device = self.model.feature_weight.device
         if self.model.window is not None:
             self._flush(reqs)
+            anchors = torch.tensor([r.output_ids[-1] for r in reqs], device=device)
+            starts = torch.tensor([r.seq_len - 1 for r in reqs], device=device)
+            for r in reqs:
+                st = r.draft_state
+                assert st is not None and st.ctx_len == r.seq_len - 1, (
+                    "the draft context must cover every position before the anchor"
+                )
             attend = self._window_attend(reqs)
+            hidden = self.model.block_hidden(anchors, starts, attend, self.max_drafts)
         else:
             # A round's commits (a few rows per request) ride the block's
             # forward; a prompt's features (whole prefills) take the K/V-only
-            # pass, which does not compute queries for them.
-            if all(_pending_len(r) <= self.max_drafts + 1 for r in reqs):
-                context = self._context(reqs)
-            else:
+            # pass first, which does not compute queries for them.
+            if any(_pending_len(r) > self.max_drafts + 1 for r in reqs):
                 self._flush(reqs)
-            attend = self._paged_attend(self._block_metadata(reqs))
-        for r in reqs:
-            st = r.draft_state
-            assert st is not None and st.ctx_len + st.pending_len == r.seq_len - 1, (
-                "the draft context must cover every position before the anchor"
-            )
-        device = self.model.feature_weight.device
-        anchors = torch.tensor([r.output_ids[-1] for r in reqs], device=device)
-        starts = torch.tensor([r.seq_len - 1 for r in reqs], device=device)
-        if context is None:  # (the windowed drafter's block_hidden takes no context rows)
-            hidden = self.model.block_hidden(anchors, starts, attend, self.max_drafts)
-        else:
-            hidden = self.model.block_hidden(anchors, starts, attend, self.max_drafts, context)
+            x = self._block_inputs(reqs)
+            if self.graphs is not None and self.graphs.takes(len(reqs), x.context_rows):
+                hidden = self.graphs.run(x)
+            else:
+                hidden = self._eager_block(x)
+            anchors = upload(x.anchors, device)
         self._settle(reqs)
         temps = torch.tensor(
             [r.sampling.temperature if not r.sampling.greedy else 0.0 for r in reqs], device=device

@@ -1,0 +1,163 @@
+"""The DSpark block forward captured per batch bucket (CUDA graphs).
+
+A round's block forward takes, per request, the features the last round
+committed (at most ``block + 1`` context rows: their K/V are computed and
+stored on the way) and the block ``[anchor, mask...]`` at the positions
+after them. Padded to a bucket of requests and to ``block + 1`` context
+rows each, it has one shape per bucket and replays from static buffers:
+the features, the context rows' positions and draft slots, each block's
+anchor, start, slots, KV length and draft page table. Padding rows write
+their K/V to a scratch slot past the draft pool's pages; a padding request
+is a block of its own at position 0. The Markov walk after it stays eager.
+``capture`` is the target's (``runner/cuda_graph_runner.py``), with its
+memory pool; on the CPU the tests replay eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from specserve.cache.kv_pool import KVPool
+from specserve.kernels.paged_attention import plan_layout
+from specserve.layers.attention import AttentionMetadata, TritonAttentionBackend
+from specserve.runner.cuda_graph_runner import Capture, Forward
+from specserve.speculative.dspark_model import Attend, ContextRows, DSparkDraftModel
+
+
+def paged_attend(backend, meta: AttentionMetadata) -> Attend:
+    """Blocks ``[R, G, ...]`` attending through ``backend`` (already prepared
+    for ``meta``): the rows flattened to the backend's ``[T, heads, D]``."""
+
+    def attend(layer: int, q: torch.Tensor, bk: torch.Tensor, bv: torch.Tensor) -> torch.Tensor:
+        rows = q.shape[0] * q.shape[1]
+        o = backend.forward(
+            layer, q.reshape(rows, *q.shape[2:]), bk.reshape(rows, *bk.shape[2:]),
+            bv.reshape(rows, *bv.shape[2:]), meta,
+        )  # fmt: skip
+        return o.view(q.shape)
+
+    return attend
+
+
+@dataclass
+class BlockInputs:
+    """One round's blocks, host side (request ``i`` of ``R``)."""
+
+    features: torch.Tensor  # [n, m * d] every request's pending features, in order
+    context_rows: list[int]  # [R] pending rows per request (their sum is n)
+    context_positions: list[int]  # [n]
+    context_slots: list[int]  # [n]
+    anchors: list[int]  # [R]
+    starts: list[int]  # [R] each block's first position
+    block_slots: list[list[int]]  # [R][G]
+    page_tables: list[list[int]]  # [R] draft pages covering each block
+
+
+class DraftBlockGraphs:
+    def __init__(
+        self,
+        model: DSparkDraftModel,
+        backend: TritonAttentionBackend,
+        kv_pool: KVPool,
+        block: int,
+        context_length: int,
+        scratch_slot: int,
+        buckets: list[int],
+        capture: Capture,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_pool = kv_pool
+        self.block = block
+        self.rows = block + 1  # context rows per request: a round commits at most this many
+        self.scratch_slot = scratch_slot
+        self.buckets = buckets
+        ps = self.page_size = kv_pool.page_size
+        self.max_pages = -(-(context_length + 2 * self.rows) // ps)
+        w = model.feature_weight
+        most = buckets[-1]
+        self.features = torch.zeros(most * self.rows, w.shape[1], dtype=w.dtype, device=w.device)
+        self.context = torch.zeros(2, most * self.rows, dtype=torch.int64, device=w.device)
+        self.context[1].fill_(scratch_slot)  # positions | slots
+        self.requests = torch.zeros(2, most, dtype=torch.int64, device=w.device)  # anchors | starts
+        self.block_slots = torch.full((most * block,), scratch_slot, device=w.device)
+        self.kv_lens = torch.full((most,), block, dtype=torch.int32, device=w.device)
+        self.page_table = torch.zeros(most, self.max_pages, dtype=torch.int32, device=w.device)
+        self.graphs: dict[int, Forward] = {}
+        self.replays = 0
+        with torch.inference_mode():
+            for bs in reversed(buckets):
+                self.graphs[bs] = capture(self._forward(bs))
+
+    def _forward(self, bs: int) -> Forward:
+        g, n = self.block, bs * self.rows
+        features, positions, slots = self.features[:n], self.context[0, :n], self.context[1, :n]
+        anchors, starts = self.requests[0, :bs], self.requests[1, :bs]
+        q_lens = [g] * bs
+        fixed = plan_layout(
+            q_lens, q_lens, [[0]] * bs, self.page_size, features.device, self.backend.group, False
+        )
+        meta = AttentionMetadata(
+            positions=self.block_slots[: bs * g],  # not read by the Triton backend
+            slot_mapping=self.block_slots[: bs * g],
+            q_lens=q_lens,
+            kv_lens=q_lens,
+            page_tables=[[0]] * bs,
+            page_size=self.page_size,
+            causal=False,
+            plan=replace(fixed, kv_lens=self.kv_lens[:bs], page_table=self.page_table[:bs]),
+        )
+        attend = paged_attend(self.backend, meta)
+
+        def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            self.kv_pool.store(layer, slots, k, v)
+
+        def forward() -> tuple[torch.Tensor, None]:
+            context = ContextRows(self.model.context_hidden(features), positions, store)
+            return self.model.block_hidden(anchors, starts, attend, g, context), None
+
+        return forward
+
+    def takes(self, num_requests: int, context_rows: list[int]) -> bool:
+        return num_requests <= self.buckets[-1] and max(context_rows) <= self.rows
+
+    def run(self, x: BlockInputs) -> torch.Tensor:
+        """The blocks' final-normed outputs ``[R, G, d]`` (a copy)."""
+        r, g, c = len(x.anchors), self.block, self.rows
+        bs = next(b for b in self.buckets if b >= r)
+        n = bs * c
+        positions, slots = [0] * n, [self.scratch_slot] * n
+        where: list[int] = []  # each pending row's place among the padded rows
+        at = 0
+        for i, k in enumerate(x.context_rows):
+            lo = i * c
+            positions[lo : lo + k] = x.context_positions[at : at + k]
+            slots[lo : lo + k] = x.context_slots[at : at + k]
+            where.extend(range(lo, lo + k))
+            at += k
+        block_slots = [self.scratch_slot] * (bs * g)
+        for i, row in enumerate(x.block_slots):
+            block_slots[i * g : (i + 1) * g] = row
+        kv_lens = [s + g for s in x.starts] + [g] * (bs - r)
+        width = max(len(t) for t in x.page_tables)
+        assert width <= self.max_pages, "a block past the draft page-table buffer"
+        tables = [t + [0] * (width - len(t)) for t in x.page_tables]
+        device = self.features.device
+        if where:
+            index = torch.tensor(where, device=device)
+            self.features.index_copy_(0, index, x.features.to(self.features.dtype))
+        self.context[:, :n].copy_(torch.tensor([positions, slots]), non_blocking=True)
+        pad = [0] * (bs - r)
+        self.requests[:, :bs].copy_(
+            torch.tensor([x.anchors + pad, x.starts + pad]), non_blocking=True
+        )
+        self.block_slots[: bs * g].copy_(torch.tensor(block_slots), non_blocking=True)
+        self.kv_lens[:bs].copy_(torch.tensor(kv_lens, dtype=torch.int32), non_blocking=True)
+        self.page_table[:r, :width].copy_(
+            torch.tensor(tables, dtype=torch.int32), non_blocking=True
+        )
+        hidden, _ = self.graphs[bs]()
+        self.replays += 1
+        return hidden[:r].clone()
