@@ -32,7 +32,7 @@ def engine(graphs: bool, **kw) -> Engine:
         cuda_graph_max_bs=4,
         **kw,
     )
-    assert eng.runner.graphs is None  # never captured on the CPU by itself
+    assert (eng.runner.graphs is None) == (not eng.runner.graphs_apply())
     if graphs:
         assert eng.capture_graphs(replay_eagerly)
     return eng
@@ -123,6 +123,33 @@ def test_dspark_replayed_equals_eager_and_plain_decoding(eager, tmp_path) -> Non
         finally:
             eng.shutdown()
     assert drafts[True] == drafts[False] and len(drafts[True]) > 5
+
+
+def test_the_budget_schedule_profiles_the_captured_verify_forwards(monkeypatch, tmp_path) -> None:
+    """Where graphs apply, the budget table waits for them and times their
+    replays, not the eager forwards (here: graphs "apply" on the CPU, the
+    capture replaying eagerly)."""
+    from specserve.runner import model_runner
+
+    monkeypatch.setattr(model_runner.ModelRunner, "graphs_apply", lambda self: True)
+    monkeypatch.setattr(model_runner, "cuda_graph_capture", lambda device: replay_eagerly)
+    drafter = make_tiny_dspark(str(tmp_path / "d"), model_path("qwen3"))
+    eng = engine(
+        graphs=False,
+        speculative_algorithm="DSPARK",
+        speculative_draft_model_path=drafter,
+        speculative_dspark_schedule="budget",
+        max_running_requests=2,
+    )
+    try:
+        proposer, graphs = eng.proposer, eng.runner.graphs
+        assert graphs is not None and proposer.graphs is not None
+        assert proposer.sps is not None and proposer.profile_for is None
+        # The profile's verify chains of every batch size, as replays.
+        chain = proposer.max_drafts + 1
+        assert {GraphShape(chain, 1), GraphShape(chain, 2)} <= set(graphs.replays)
+    finally:
+        eng.shutdown()
 
 
 def test_shape_for_takes_only_uniform_decode_and_verify_steps() -> None:

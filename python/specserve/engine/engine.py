@@ -116,17 +116,15 @@ class Engine:
     def capture_graphs(self, capture: Capture | None = None) -> bool:
         """Captures the target's DECODE / VERIFY forwards and the proposer's
         block forward (CUDA graphs, unless ``disable_cuda_graph``; the
-        runner says when they apply). ``capture``: another capture (tests
+        runner says when they apply, ``ModelRunner.graphs_apply``). ``capture``: another capture (tests
         replay eagerly on the CPU). Returns whether anything was captured."""
         p = self.proposer
         chain = p.max_drafts + 1 if p is not None else 1
         with device_scope(self.runner.device):
             if not self.runner.capture_graphs(chain, p.capture_layer_ids if p else (), capture):
                 return False
-            graphs = self.runner.graphs
-            assert graphs is not None
             if p is not None:
-                p.capture_graphs(graphs.capture, graphs.buckets, self.runner.context_length)
+                p.capture_graphs(self.runner)
         return True
 
     def warm_up(self) -> None:

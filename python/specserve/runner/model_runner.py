@@ -105,6 +105,15 @@ class ModelRunner:
             self.config.attention_backend, self.kv_pool, mc.num_attention_heads, self.device
         )
 
+    def graphs_apply(self) -> bool:
+        """Whether ``capture_graphs`` captures CUDA graphs: on CUDA with the
+        Triton attention backend, unless ``disable_cuda_graph``."""
+        return (
+            not self.config.disable_cuda_graph
+            and self.device.type == "cuda"
+            and isinstance(self.attn_backend, TritonAttentionBackend)
+        )
+
     def capture_graphs(
         self,
         chain: int,
@@ -119,12 +128,12 @@ class ModelRunner:
         Returns whether graphs were captured."""
         cfg = self.config
         if capture is None:
-            if cfg.disable_cuda_graph or self.device.type != "cuda":
+            if not self.graphs_apply():
+                if self.device.type == "cuda" and not cfg.disable_cuda_graph:
+                    logger.info("CUDA graphs: off (they need the Triton attention backend)")
                 return False
             capture = cuda_graph_capture(self.device)
         if not isinstance(self.attn_backend, TritonAttentionBackend):
-            if cfg.attention_backend == "triton" or self.device.type == "cuda":
-                logger.info("CUDA graphs: off (they need the Triton attention backend)")
             return False
         max_bs = min(cfg.cuda_graph_max_bs or 64, cfg.scheduler.max_running_requests)
         start = time.perf_counter()
@@ -249,11 +258,14 @@ class ModelRunner:
         return ForwardOutput(logits=logits, row_offsets=offsets, captured=cap)
 
     @torch.inference_mode()
-    def verify_forward(self, num_tokens: int, chain: int, prefix: int) -> None:
+    def verify_forward(
+        self, num_tokens: int, chain: int, prefix: int, capture_layer_ids: tuple[int, ...] = ()
+    ) -> None:
         """One forward shaped like a verify round, for timing it: chains of
         ``chain`` tokens (the last may be shorter) over ``prefix`` cached
-        positions each, on whatever pages (their contents do not matter);
-        returns once the device is done."""
+        positions each, on whatever pages (their contents do not matter),
+        capturing the layers a proposer reads (replayed when real rounds
+        would be); returns once the device is done."""
         ps, entries, page = self.page_size, [], 0
         for start in range(0, num_tokens, chain):
             n = min(chain, num_tokens - start)
@@ -265,7 +277,7 @@ class ModelRunner:
                 for g, g_pages in zip(self.cache_groups[1:], self.group_pages[1:])
             ]
             entries.append(BatchEntry([0] * n, prefix, pages, list(range(n)), tables))
-        self.forward(ScheduledBatch(entries, []))
+        self.forward(ScheduledBatch(entries, [], capture_layer_ids))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -9,12 +9,16 @@ from) and keeps whatever per-request state it needs in ``Req.draft_state``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.core import Req
+
+if TYPE_CHECKING:  # the proposer interface imports no stage at run time
+    from specserve.runner.model_runner import ModelRunner
 
 
 @dataclass
@@ -51,9 +55,7 @@ class Proposer(ABC):
         """Drops the request's draft state (finished, aborted or preempted)."""
         req.draft_state = None
 
-    def capture_graphs(  # noqa: B027
-        self, capture: Callable, buckets: list[int], context_length: int
-    ) -> None:
-        """Captures the proposer's own forwards for batch buckets ``buckets``
-        with the target's ``capture`` (``runner/cuda_graph_runner.py``), if
-        it has any worth capturing."""
+    def capture_graphs(self, runner: ModelRunner) -> None:  # noqa: B027
+        """Once ``runner`` has captured the target's forwards (``runner.graphs``):
+        captures the proposer's own for the same batch buckets with the same
+        capture, if it has any worth capturing."""

@@ -37,7 +37,6 @@ from specserve.layers.attention import (
     TritonAttentionBackend,
     make_attention_backend,
 )
-from specserve.runner.cuda_graph_runner import Capture
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.base import DraftProposal, Proposer
 from specserve.speculative.block_drafter import BlockDrafter
@@ -89,6 +88,8 @@ class DSparkProposer(Proposer):
         self.generator.manual_seed(seed + 1)
         self.staging = HostStaging(device)
         self.graphs: DraftBlockGraphs | None = None  # set by capture_graphs
+        # (max_running_requests, table path) of a budget table still to profile.
+        self.profile_for: tuple[int, str | None] | None = None
 
     # ---- construction ----------------------------------------------------------
 
@@ -117,7 +118,7 @@ class DSparkProposer(Proposer):
             layers, pages + 1, runner.page_size, kv_heads, head_dim, runner.dtype, runner.device
         )
         blocks = BlockPool(pages, runner.page_size)
-        sps = None
+        sps, profile = None, False
         if spec.schedule == "budget" and not model.use_confidence:
             logger.warning("budget scheduling needs a confidence head; verifying whole blocks")
         elif spec.schedule == "budget":
@@ -125,29 +126,47 @@ class DSparkProposer(Proposer):
             if path and os.path.exists(path):
                 sps = SpsTable.load(path)
             else:
-                sps = profile_runner(runner, block, config.scheduler.max_running_requests)
-                if path:  # profiled once, reused by later starts
-                    sps.save(path)
-        return cls(
+                profile = True
+        proposer = cls(
             model, block, kv, blocks, spec.confidence_threshold, sps, config.random_seed,
             config.attention_backend,
         )  # fmt: skip
+        if profile:
+            # The verify forwards that will run: after capture, when graphs apply.
+            proposer.profile_for = (config.scheduler.max_running_requests, spec.sps_table_path)
+            if not runner.graphs_apply():
+                proposer.profile(runner)
+        return proposer
 
-    def capture_graphs(self, capture: Capture, buckets: list[int], context_length: int) -> None:
-        """Captures the block forward for batch buckets ``buckets`` (with the
-        Triton attention backend, not for a windowed drafter; the draft pool
-        must hold a page past its allocator's)."""
+    def profile(self, runner: ModelRunner) -> None:
+        """The budget schedule's steps-per-second table, measured on
+        ``runner`` now (and saved where ``--speculative-dspark-sps-table-path`` says)."""
+        assert self.profile_for is not None
+        max_running, path = self.profile_for
+        self.sps = profile_runner(runner, self.max_drafts, max_running, self.capture_layer_ids)
+        self.profile_for = None
+        if path:  # profiled once, reused by later starts
+            self.sps.save(path)
+
+    def capture_graphs(self, runner: ModelRunner) -> None:
+        """Captures the block forward with the target's capture and buckets
+        (with the Triton attention backend, not for a windowed drafter; the
+        draft pool must hold a page past its allocator's); then profiles the
+        budget schedule if it waited for the captured verify forwards."""
+        target = runner.graphs
+        assert target is not None, "the target's forwards are captured first"
         scratch = self.block_pool.total_pages() * self.block_pool.page_size
         if (
-            self.model.window is not None
-            or not isinstance(self.attn_backend, TritonAttentionBackend)
-            or self.kv_pool.k[0].shape[0] <= scratch
+            self.model.window is None
+            and isinstance(self.attn_backend, TritonAttentionBackend)
+            and self.kv_pool.k[0].shape[0] > scratch
         ):
-            return
-        self.graphs = DraftBlockGraphs(
-            self.model, self.attn_backend, self.kv_pool, self.max_drafts, context_length,
-            scratch, buckets, capture,
-        )  # fmt: skip
+            self.graphs = DraftBlockGraphs(
+                self.model, self.attn_backend, self.kv_pool, self.max_drafts,
+                runner.context_length, scratch, target.buckets, target.capture,
+            )  # fmt: skip
+        if self.profile_for is not None:
+            self.profile(runner)
 
     # ---- state -------------------------------------------------------------------
 
@@ -358,14 +377,18 @@ def _pending_len(req: Req) -> int:
     return 0 if req.draft_state is None else req.draft_state.pending_len
 
 
-def profile_runner(runner: ModelRunner, block: int, max_running: int) -> SpsTable:
+def profile_runner(
+    runner: ModelRunner, block: int, max_running: int, capture_layer_ids: tuple[int, ...] = ()
+) -> SpsTable:
     """Steps/s of verify forwards of B tokens (chains of block + 1 over a cached
     prefix, the attention path real rounds take), measured now."""
     chain = block + 1
     prefix = max(0, min(PROFILE_PREFIX, runner.context_length - chain))
     counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_running]
     sizes = sorted({n * chain for n in counts} | {1})
-    table = profile_sps(lambda tokens: runner.verify_forward(tokens, chain, prefix), sizes)
+    table = profile_sps(
+        lambda tokens: runner.verify_forward(tokens, chain, prefix, capture_layer_ids), sizes
+    )
     logger.info(
         "verify steps/s by batch tokens: %s", json.dumps({b: round(table(b), 1) for b in sizes})
     )

@@ -53,5 +53,5 @@ class NgramFirstProposer(Proposer):
     def release(self, req: Req) -> None:
         self.drafter.release(req)
 
-    def capture_graphs(self, capture, buckets: list[int], context_length: int) -> None:
-        self.drafter.capture_graphs(capture, buckets, context_length)
+    def capture_graphs(self, runner) -> None:
+        self.drafter.capture_graphs(runner)
