@@ -290,7 +290,9 @@ def round_profile(engines, prompts, sp, args, root: str) -> int:
             model = spec.proposer.model
             wrap(model, "block_hidden", "  draft layers (block, new context K/V)")
             wrap(model, "draft", "  lm_head + Markov steps")
-            wrap(spec.proposer, "_paged_attend", "  planning the paged block attention")
+            backend = getattr(spec.proposer, "attn_backend", None)  # the drafter's own
+            if backend is not None:
+                wrap(backend, "prepare", "  planning the paged block attention")
         return spent
 
     names = ["plain", "DSPARK"]

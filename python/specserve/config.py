@@ -354,9 +354,10 @@ class EngineConfig:
     # torch.compile the target layers' dense parts (off: on this project's CPUs
     # eager is faster, see docs/benchmarks.md).
     enable_torch_compile: bool = False
-    # CUDA graphs for the target's DECODE and VERIFY steps (CUDA, Triton
-    # attention): captured for batches up to cuda_graph_max_bs (None: 64, at
-    # most max_running_requests); larger or mixed batches run eagerly.
+    # CUDA graphs for the target's DECODE and VERIFY steps and DSpark's block
+    # forward (CUDA, Triton attention): captured for batches up to
+    # cuda_graph_max_bs (None: 64, at most max_running_requests); larger or
+    # mixed batches run eagerly.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     # On CUDA the engine runs a few tiny requests at start-up, so that every

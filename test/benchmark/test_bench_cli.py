@@ -32,6 +32,15 @@ def test_a_missing_model_is_named(script, tmp_path) -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_the_round_profile_runs() -> None:
+    """It wraps engine internals by name: a rename must not break it."""
+    done = run("bench_spec.py", "--round-profile", "--num-prompts", "1", "--output-len", "8",
+               "--input-len", "8")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    for line in ("draft layers", "lm_head + Markov steps", "planning the paged block attention"):
+        assert line in done.stdout
+
+
 def test_a_missing_server_is_named() -> None:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

@@ -134,14 +134,15 @@ def test_demo_bf16_plain_and_dspark_against_float32(monkeypatch) -> None:
 
 
 def test_cuda_graphs_equal_eager_steps() -> None:
-    """Replayed DECODE / VERIFY forwards (the CUDA default) against the same
-    engine with ``disable_cuda_graph``, float32, plain and DSPARK: batches of
-    8 (a bucket) and 5 (padded to 8, and short chains padded to one width).
-    The same ids, logprobs to 1e-4 (a padded GEMM may round differently)."""
+    """Replayed DECODE / VERIFY forwards and DSpark blocks (the CUDA default)
+    against the same engine with ``disable_cuda_graph``, float32, plain and
+    DSPARK: batches of 8 (a bucket) and 5 (padded to 8, and short chains
+    padded to one width). The same ids, logprobs to 1e-4 (a padded GEMM may
+    round differently)."""
     from specserve.assets import demo_path
 
     spec = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": demo_path("dspark")}
-    results, used = {}, {}
+    results, used, taus = {}, {}, {}
     for eager in (True, False):
         for name, extra in (("plain", {}), ("dspark", spec)):
             eng = demo_engine(dtype="float32", disable_cuda_graph=eager, **extra)
@@ -150,14 +151,19 @@ def test_cuda_graphs_equal_eager_steps() -> None:
                 prompts = held_in_prompts(eng.tokenizer, 13, 48)
                 results[eager, name] = generate(eng, prompts[:8]) + generate(eng, prompts[8:])
                 if not eager:
-                    used[name] = {
-                        f"{s.width}x{s.batch}": n for s, n in eng.runner.graphs.replays.items()
-                    }
+                    replays = eng.runner.graphs.replays.items()
+                    used[name] = {f"{s.width}x{s.batch}": n for s, n in replays}
+                if name == "dspark":
+                    taus[eager] = eng.stats()["spec_accept_length"]
+                    if not eager:
+                        used["dspark_blocks"] = eng.proposer.graphs.replays
             finally:
                 eng.shutdown()
-    record("cuda_graphs", {"replays": used})
+    record("cuda_graphs", {"replays": used, "tau_eager": taus[True], "tau_graphs": taus[False]})
     assert any(k.startswith("1x") for k in used["plain"])
-    assert any(not k.startswith("1x") for k in used["dspark"])
+    assert any(not k.startswith("1x") for k in used["dspark"]) and used["dspark_blocks"] > 0
+    # The captured drafter drafts what the eager one drafts (up to rare float ties).
+    assert abs(taus[True] - taus[False]) <= 0.05 * taus[True]
     for name in ("plain", "dspark"):
         for a, b in zip(results[True, name], results[False, name]):
             assert a["output_ids"] == b["output_ids"]

@@ -115,9 +115,9 @@ class Engine:
 
     def capture_graphs(self, capture: Capture | None = None) -> bool:
         """Captures the target's DECODE / VERIFY forwards and the proposer's
-        block forward (CUDA graphs, unless ``disable_cuda_graph``; the
-        runner says when they apply, ``ModelRunner.graphs_apply``). ``capture``: another capture (tests
-        replay eagerly on the CPU). Returns whether anything was captured."""
+        block forward: CUDA graphs where ``ModelRunner.graphs_apply`` says
+        so. ``capture``: another capture (tests replay eagerly on the CPU).
+        Returns whether anything was captured."""
         p = self.proposer
         chain = p.max_drafts + 1 if p is not None else 1
         with device_scope(self.runner.device):

@@ -149,7 +149,7 @@ class ModelRunner:
             capture,
         )
         logger.info(
-            "captured %d forwards (batch buckets %s, chains of 1 and %d) in %.1fs",
+            "captured %d forwards (batch buckets %s, longest chain %d) in %.1fs",
             len(self.graphs.graphs), self.graphs.buckets, chain, time.perf_counter() - start,
         )  # fmt: skip
         return True

@@ -121,6 +121,8 @@ class DraftBlockGraphs:
         return forward
 
     def takes(self, num_requests: int, context_rows: list[int]) -> bool:
+        """Whether a round of ``num_requests`` blocks with these pending
+        context rows each fits a captured shape."""
         return num_requests <= self.buckets[-1] and max(context_rows) <= self.rows
 
     def run(self, x: BlockInputs) -> torch.Tensor:

@@ -268,7 +268,7 @@ class DSparkProposer(Proposer):
         x.features = torch.cat(feats).to(w.dtype) if feats else w.new_zeros(0, w.shape[1])
         return x
 
-    def _eager_block(self, x: BlockInputs) -> torch.Tensor:
+    def _eager_block(self, x: BlockInputs, anchors: torch.Tensor) -> torch.Tensor:
         """The blocks' outputs ``[R, G, d]``, run op by op: a non-causal paged
         batch over the draft pool, the pending rows' K/V computed on the way."""
         g, device = self.max_drafts, self.model.feature_weight.device
@@ -292,7 +292,7 @@ class DSparkProposer(Proposer):
         )
         self.attn_backend.prepare(meta)
         attend = paged_attend(self.attn_backend, meta)
-        anchors, starts = upload(x.anchors, device), upload(x.starts, device)
+        starts = upload(x.starts, device)
         return self.model.block_hidden(anchors, starts, attend, g, context)
 
     def _window_attend(self, reqs: Sequence[Req]) -> Attend:
@@ -336,11 +336,11 @@ class DSparkProposer(Proposer):
             if any(_pending_len(r) > self.max_drafts + 1 for r in reqs):
                 self._flush(reqs)
             x = self._block_inputs(reqs)
+            anchors = upload(x.anchors, device)
             if self.graphs is not None and self.graphs.takes(len(reqs), x.context_rows):
                 hidden = self.graphs.run(x)
             else:
-                hidden = self._eager_block(x)
-            anchors = upload(x.anchors, device)
+                hidden = self._eager_block(x, anchors)
         self._settle(reqs)
         temps = torch.tensor(
             [r.sampling.temperature if not r.sampling.greedy else 0.0 for r in reqs], device=device
