@@ -32,7 +32,6 @@ def engine(graphs: bool, **kw) -> Engine:
         cuda_graph_max_bs=4,
         **kw,
     )
-    assert (eng.runner.graphs is None) == (not eng.runner.graphs_apply())
     if graphs:
         assert eng.capture_graphs(replay_eagerly)
     return eng
@@ -59,6 +58,7 @@ def assert_same(got: list[dict], want: list[dict]) -> None:
 def eager() -> list[dict]:
     eng = engine(graphs=False)
     try:
+        assert eng.runner.graphs is None  # the CPU captures nothing by itself
         return run(eng, PLAIN)
     finally:
         eng.shutdown()
@@ -148,6 +148,27 @@ def test_the_budget_schedule_profiles_the_captured_verify_forwards(monkeypatch, 
         # The profile's verify chains of every batch size, as replays.
         chain = proposer.max_drafts + 1
         assert {GraphShape(chain, 1), GraphShape(chain, 2)} <= set(graphs.replays)
+    finally:
+        eng.shutdown()
+
+
+def test_a_failed_capture_leaves_the_engine_serving_eagerly(monkeypatch, caplog, eager) -> None:
+    from specserve.runner import model_runner
+
+    def broken(device):
+        def capture(forward):
+            raise RuntimeError("capture failed here")
+
+        return capture
+
+    monkeypatch.setattr(model_runner.ModelRunner, "graphs_apply", lambda self: True)
+    monkeypatch.setattr(model_runner, "cuda_graph_capture", broken)
+    with caplog.at_level("WARNING"):
+        eng = engine(graphs=False)
+    try:
+        assert eng.runner.graphs is None
+        assert "capture failed here" in caplog.text and "runs eagerly" in caplog.text
+        assert_same(run(eng, PLAIN), eager)
     finally:
         eng.shutdown()
 

@@ -17,7 +17,7 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.core import FinishReason, Req
-from specserve.engine.engine_core import EngineCore, RequestOutput
+from specserve.engine.engine_core import EngineCore, RequestOutput, is_fatal
 from specserve.engine.request_factory import GenerateRequest, Limits, RequestFactory
 from specserve.engine.result import ResultCollector, format_output
 from specserve.grammar.base import GrammarBackend
@@ -70,6 +70,8 @@ class Engine:
         )
         self.proposer = proposer or build_proposer(self.config, self.runner, drafter)
         self.capture_graphs()
+        if self.proposer is not None:
+            self.proposer.profile(self.runner)
         self.core = EngineCore(self.config, self.runner, self.tokenizer, self.proposer)
         mc = self.runner.model_config
         self.eos_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
@@ -121,10 +123,18 @@ class Engine:
         p = self.proposer
         chain = p.max_drafts + 1 if p is not None else 1
         with device_scope(self.runner.device):
-            if not self.runner.capture_graphs(chain, p.capture_layer_ids if p else (), capture):
+            try:
+                if not self.runner.capture_graphs(chain, p.capture_layer_ids if p else (), capture):
+                    return False
+                if p is not None:
+                    p.capture_graphs(self.runner)
+            except Exception as e:
+                # Serving eagerly beats not serving; the log says why.
+                if capture is not None or is_fatal(e):
+                    raise
+                logger.warning("CUDA graph capture failed (%r): every step runs eagerly", e)
+                self.runner.graphs = None
                 return False
-            if p is not None:
-                p.capture_graphs(self.runner)
         return True
 
     def warm_up(self) -> None:

@@ -55,6 +55,10 @@ class Proposer(ABC):
         """Drops the request's draft state (finished, aborted or preempted)."""
         req.draft_state = None
 
+    def profile(self, runner: ModelRunner) -> None:  # noqa: B027
+        """Start-up measurements over the target's forwards as they will run
+        (after ``capture_graphs``, whether or not anything was captured)."""
+
     def capture_graphs(self, runner: ModelRunner) -> None:  # noqa: B027
         """Once ``runner`` has captured the target's forwards (``runner.graphs``):
         captures the proposer's own for the same batch buckets with the same

@@ -132,16 +132,17 @@ class DSparkProposer(Proposer):
             config.attention_backend,
         )  # fmt: skip
         if profile:
-            # The verify forwards that will run: after capture, when graphs apply.
+            # Timed over the forwards that will run: the engine calls ``profile``
+            # once the target's are final (captured or not).
             proposer.profile_for = (config.scheduler.max_running_requests, spec.sps_table_path)
-            if not runner.graphs_apply():
-                proposer.profile(runner)
         return proposer
 
     def profile(self, runner: ModelRunner) -> None:
-        """The budget schedule's steps-per-second table, measured on
-        ``runner`` now (and saved where ``--speculative-dspark-sps-table-path`` says)."""
-        assert self.profile_for is not None
+        """The budget schedule's steps-per-second table, if it is still to
+        measure: timed on ``runner`` now (and saved where
+        ``--speculative-dspark-sps-table-path`` says)."""
+        if self.profile_for is None:
+            return
         max_running, path = self.profile_for
         self.sps = profile_runner(runner, self.max_drafts, max_running, self.capture_layer_ids)
         self.profile_for = None
@@ -151,8 +152,7 @@ class DSparkProposer(Proposer):
     def capture_graphs(self, runner: ModelRunner) -> None:
         """Captures the block forward with the target's capture and buckets
         (with the Triton attention backend, not for a windowed drafter; the
-        draft pool must hold a page past its allocator's); then profiles the
-        budget schedule if it waited for the captured verify forwards."""
+        draft pool must hold a page past its allocator's)."""
         target = runner.graphs
         assert target is not None, "the target's forwards are captured first"
         scratch = self.block_pool.total_pages() * self.block_pool.page_size
@@ -165,8 +165,6 @@ class DSparkProposer(Proposer):
                 self.model, self.attn_backend, self.kv_pool, self.max_drafts,
                 runner.context_length, scratch, target.buckets, target.capture,
             )  # fmt: skip
-        if self.profile_for is not None:
-            self.profile(runner)
 
     # ---- state -------------------------------------------------------------------
 
