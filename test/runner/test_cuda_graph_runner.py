@@ -95,6 +95,32 @@ def test_replayed_verify_chains_equal_plain_decoding(eager) -> None:
         eng.shutdown()
 
 
+@pytest.mark.parametrize("algorithm", ["NGRAM", "DSPARK"])
+def test_chains_padded_past_the_context_end(algorithm, tmp_path) -> None:
+    """Requests that run into the context length: their last chains are
+    short, and padded to the width they reach past the context's end (and
+    DSpark's last blocks run past it, as eagerly)."""
+    prompts = random_prompts(2, [20, 26], seed=72)
+    sp = [{"temperature": 0, "max_new_tokens": 40 - len(p), "ignore_eos": True} for p in prompts]
+    spec = {"speculative_algorithm": algorithm}
+    if algorithm == "DSPARK":
+        spec["speculative_draft_model_path"] = make_tiny_dspark(
+            str(tmp_path / "d"), model_path("qwen3")
+        )
+    outs = {}
+    for graphs in (False, True):
+        eng = engine(graphs=graphs, context_length=40, **spec)
+        try:
+            outs[graphs] = eng.generate(input_ids=prompts, sampling_params=sp)
+            if graphs:
+                assert any(s.width > 1 for s in eng.runner.graphs.replays)
+        finally:
+            eng.shutdown()
+    for p, a, b in zip(prompts, outs[False], outs[True]):
+        assert len(p) + len(a["output_ids"]) == 40  # to the context's last position
+        assert a["output_ids"] == b["output_ids"]
+
+
 def test_dspark_replayed_equals_eager_and_plain_decoding(eager, tmp_path) -> None:
     """DSPARK reads target layers captured inside the replayed forward, and
     its block forward (each request's committed rows as context, padded to

@@ -6,10 +6,10 @@ is padded to a batch bucket, and each chain to one width (1 when every
 entry decodes, else ``chain``), then run as one replay of the graph
 captured for that (width, bucket): one launch for the whole forward
 instead of dozens of kernels per layer (the lm_head then runs eagerly on
-the real rows). Everything a graph reads sits in
-static buffers that a replay refills: token ids, positions, KV slots, and
-the paged-attention layout's KV lengths and page tables; the layout's
-tiles depend only on the shape, so they are fixed at capture. Padding
+the real rows). Everything a graph reads sits in static buffers that a
+replay refills: token ids, positions, KV slots, and the paged-attention
+layout's KV lengths and page tables; the layout's tiles depend only on
+the shape, so they are fixed at capture. Padding
 tokens (the tail of a short chain, the entries past the batch) write their
 K/V to a scratch slot past the pool's pages and their rows are dropped;
 the real rows read exactly what they read eagerly (a padding row comes
@@ -45,7 +45,7 @@ Capture = Callable[[Forward], Forward]
 
 def batch_buckets(max_bs: int) -> list[int]:
     """The batch sizes graphs are captured for: 1, 2, 4, 8, then every 8th,
-    and ``max_bs`` itself (SGLang's spacing; a batch pads to the next one)."""
+    and ``max_bs`` itself (a batch pads to the next one)."""
     sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 8))
     return sizes if sizes[-1] == max_bs else [*sizes, max_bs]
 
@@ -200,9 +200,10 @@ class CudaGraphRunner:
         for b, e in enumerate(entries):
             k, at, p = len(e.token_ids), b * w, e.prefix_len
             ids[at : at + k] = e.token_ids
-            # A chain's padding rows continue its positions (inside the RoPE
-            # table, which reaches a chain past the context).
-            positions[at : at + w] = range(p, p + w)
+            # A chain's padding rows take its last position: one inside the
+            # RoPE table (p + w may pass the context's end); the kernel places
+            # queries by the KV length, not by these.
+            positions[at : at + w] = [*range(p, p + k), *[p + k - 1] * (w - k)]
             slots[at : at + k] = page_slots(e.page_table, p, p + k, ps)
             kv_lens[b] = p + w
             rows.extend(range(at, at + k))
