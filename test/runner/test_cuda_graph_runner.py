@@ -1,9 +1,11 @@
 """Captured DECODE / VERIFY forwards (``runner/cuda_graph_runner.py``) and
-DSpark block forwards (``speculative/block_graphs.py``) on the CPU: the capture replays the same function eagerly on the static buffers and
-plan (``replay_eagerly``), with the Triton attention kernel interpreted, so
+DSpark block forwards (``speculative/block_graphs.py``) on the CPU: the
+capture replays the same function eagerly on the static buffers and plan
+(``replay_eagerly``), with the Triton attention kernel interpreted, so
 padding (entries up to a bucket, chains up to one width), the scratch slot
-and the buffer refills are checked against eager forwards without a GPU.
-The graphs themselves are checked on CUDA (``test/engine/test_cuda_engine.py``)."""
+and the buffer refills are checked against eager forwards and plain
+decoding without a GPU. The graphs themselves are checked on CUDA
+(``test/engine/test_cuda_engine.py``)."""
 
 from __future__ import annotations
 
