@@ -123,16 +123,21 @@ def test_chains_padded_past_the_context_end(algorithm, tmp_path) -> None:
         assert a["output_ids"] == b["output_ids"]
 
 
-def test_dspark_replayed_equals_eager_and_plain_decoding(eager, tmp_path) -> None:
+@pytest.mark.parametrize("ngram_first", [False, True])
+def test_dspark_replayed_equals_eager_and_plain_decoding(eager, tmp_path, ngram_first) -> None:
     """DSPARK reads target layers captured inside the replayed forward, and
     its block forward (each request's committed rows as context, padded to
     one count) replays too: the drafts of every round are the eager
-    drafter's, and the output is plain decoding's."""
+    drafter's, and the output is plain decoding's (also behind
+    ``--speculative-ngram-first``, which hands the capture on)."""
     drafter = make_tiny_dspark(str(tmp_path / "d"), model_path("qwen3"))
     drafts = {}
     for graphs in (False, True):
         eng = engine(
-            graphs=graphs, speculative_algorithm="DSPARK", speculative_draft_model_path=drafter
+            graphs=graphs,
+            speculative_algorithm="DSPARK",
+            speculative_draft_model_path=drafter,
+            speculative_ngram_first=ngram_first,
         )
         try:
             seen = drafts[graphs] = []
@@ -147,7 +152,8 @@ def test_dspark_replayed_equals_eager_and_plain_decoding(eager, tmp_path) -> Non
             assert_same(run(eng, PLAIN), eager)
             if graphs:
                 assert any(s.width > 1 for s in eng.runner.graphs.replays)
-                assert eng.proposer.graphs is not None and eng.proposer.graphs.replays > 0
+                dspark = eng.proposer.drafter if ngram_first else eng.proposer
+                assert dspark.graphs is not None and dspark.graphs.replays > 0
         finally:
             eng.shutdown()
     assert drafts[True] == drafts[False] and len(drafts[True]) > 5
