@@ -89,6 +89,58 @@ class GraphShape:
     batch: int  # entries, a bucket
 
 
+class StaticTables:
+    """The KV lengths and page tables a captured paged-attention batch reads,
+    for up to ``rows`` requests: a replay refills them (``fill``), the
+    metadata built at capture keeps views of them (``metadata``)."""
+
+    def __init__(
+        self, rows: int, max_pages: int, page_size: int, backend: TritonAttentionBackend
+    ) -> None:
+        device = backend.kv_pool.k[0].device
+        self.kv_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self.page_table = torch.zeros(rows, max_pages, dtype=torch.int32, device=device)
+        self.max_pages, self.page_size, self.group = max_pages, page_size, backend.group
+
+    def metadata(
+        self, q_len: int, batch: int, positions: torch.Tensor, slots: torch.Tensor, causal: bool
+    ) -> AttentionMetadata:
+        """``batch`` requests of ``q_len`` queries each over the buffers; the
+        host-side lists are placeholders, never read again. Until the first
+        fill, every request is a chain from position 0."""
+        q_lens = [q_len] * batch
+        self.kv_lens[:batch].fill_(q_len)
+        fixed = plan_layout(
+            q_lens, q_lens, [[0]] * batch, self.page_size, positions.device, self.group, causal
+        )
+        return AttentionMetadata(
+            positions=positions,
+            slot_mapping=slots,
+            q_lens=q_lens,
+            kv_lens=q_lens,
+            page_tables=[[0]] * batch,
+            page_size=self.page_size,
+            causal=causal,
+            plan=replace(fixed, kv_lens=self.kv_lens[:batch], page_table=self.page_table[:batch]),
+        )
+
+    def fill(self, kv_lens: list[int], tables: list[list[int]]) -> None:
+        """The KV lengths of every request of the padded batch and the page
+        tables of the real ones (a padding request's stale row holds valid
+        pages, and only the columns its KV length reaches are read)."""
+        width = max(len(t) for t in tables)
+        assert width <= self.max_pages and max(kv_lens) <= self.max_pages * self.page_size, (
+            "a request past the page-table buffer"
+        )
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        self.kv_lens[: len(kv_lens)].copy_(
+            torch.tensor(kv_lens, dtype=torch.int32), non_blocking=True
+        )
+        self.page_table[: len(tables), :width].copy_(
+            torch.tensor(padded, dtype=torch.int32), non_blocking=True
+        )
+
+
 class CudaGraphRunner:
     """The captured forwards of one target model over its KV pool."""
 
@@ -113,18 +165,15 @@ class CudaGraphRunner:
         self.capture_layer_ids = capture_layer_ids
         self.scratch_slot = scratch_slot
         self.buckets = batch_buckets(max_bs)
-        # A padded chain reaches ``chain`` positions past the context's last page.
-        self.max_pages = -(-(context_length + chain) // page_size)
         device = next(model.parameters()).device
         self.device = device
         most = self.buckets[-1] * chain
         # ids | positions | slots, one upload per replay.
         self.tokens = torch.zeros(3, most, dtype=torch.int64, device=device)
         self.tokens[2].fill_(scratch_slot)
-        self.kv_lens = torch.ones(self.buckets[-1], dtype=torch.int32, device=device)
-        self.page_table = torch.zeros(
-            self.buckets[-1], self.max_pages, dtype=torch.int32, device=device
-        )
+        # A padded chain reaches ``chain`` positions past the context's last page.
+        max_pages = -(-(context_length + chain) // page_size)
+        self.tables = StaticTables(self.buckets[-1], max_pages, page_size, backend)
         self.capture = capture  # proposers capture their forwards with it too
         self.graphs: dict[GraphShape, Forward] = {}
         self.replays: Counter[GraphShape] = Counter()  # by shape, over the runner's life
@@ -133,30 +182,14 @@ class CudaGraphRunner:
             for width in widths:
                 for bs in reversed(self.buckets):
                     shape = GraphShape(width, bs)
-                    self.kv_lens[:bs].fill_(width)  # padding entries: a chain from position 0
                     self.graphs[shape] = capture(self._forward(shape))
 
     def _forward(self, shape: GraphShape) -> Forward:
         """The padded forward of ``shape`` over the static buffers, its
-        metadata built once (the host-side lists are never read again)."""
+        metadata built once."""
         n = shape.batch * shape.width
         ids, positions, slots = self.tokens[0, :n], self.tokens[1, :n], self.tokens[2, :n]
-        q_lens = [shape.width] * shape.batch
-        fixed = plan_layout(
-            q_lens, q_lens, [[0]] * shape.batch, self.page_size, self.device, self.backend.group
-        )
-        layout = replace(
-            fixed, kv_lens=self.kv_lens[: shape.batch], page_table=self.page_table[: shape.batch]
-        )
-        meta = AttentionMetadata(
-            positions=positions,
-            slot_mapping=slots,
-            q_lens=q_lens,
-            kv_lens=q_lens,
-            page_tables=[[0]] * shape.batch,
-            page_size=self.page_size,
-            plan=layout,
-        )
+        meta = self.tables.metadata(shape.width, shape.batch, positions, slots, causal=True)
 
         def forward() -> Outputs:
             hidden, captured = self.model(ids, meta, self.backend, self.capture_layer_ids)
@@ -195,8 +228,6 @@ class CudaGraphRunner:
         ids, positions, slots = [0] * n, [0] * n, [self.scratch_slot] * n
         kv_lens = [w] * shape.batch
         rows: list[int] = []  # the real tokens' rows of the padded batch
-        width = max(len(e.page_table) for e in entries)
-        tables = []
         for b, e in enumerate(entries):
             k, at, p = len(e.token_ids), b * w, e.prefix_len
             ids[at : at + k] = e.token_ids
@@ -207,15 +238,8 @@ class CudaGraphRunner:
             slots[at : at + k] = page_slots(e.page_table, p, p + k, ps)
             kv_lens[b] = p + w
             rows.extend(range(at, at + k))
-            tables.append(e.page_table + [0] * (width - len(e.page_table)))
-        assert max(kv_lens) <= self.max_pages * ps, "a chain past the page-table buffer"
         self.tokens[:, :n].copy_(torch.tensor([ids, positions, slots]), non_blocking=True)
-        self.kv_lens[: shape.batch].copy_(
-            torch.tensor(kv_lens, dtype=torch.int32), non_blocking=True
-        )
-        self.page_table[: len(entries), :width].copy_(
-            torch.tensor(tables, dtype=torch.int32), non_blocking=True
-        )
+        self.tables.fill(kv_lens, [e.page_table for e in entries])
         hidden, captured = self.graphs[shape]()
         self.replays[shape] += 1
         if len(rows) == rows[-1] + 1:  # every row real up to the last: a prefix

@@ -15,14 +15,13 @@ memory pool; on the CPU the tests replay eagerly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from specserve.cache.kv_pool import KVPool
-from specserve.kernels.paged_attention import plan_layout
 from specserve.layers.attention import AttentionMetadata, TritonAttentionBackend
-from specserve.runner.cuda_graph_runner import Capture, Forward
+from specserve.runner.cuda_graph_runner import Capture, Forward, StaticTables
 from specserve.speculative.dspark_model import Attend, ContextRows, DSparkDraftModel
 
 
@@ -74,8 +73,7 @@ class DraftBlockGraphs:
         self.rows = block + 1  # context rows per request: a round commits at most this many
         self.scratch_slot = scratch_slot
         self.buckets = buckets
-        ps = self.page_size = kv_pool.page_size
-        self.max_pages = -(-(context_length + 2 * self.rows) // ps)
+        ps = kv_pool.page_size
         w = model.feature_weight
         most = buckets[-1]
         self.features = torch.zeros(most * self.rows, w.shape[1], dtype=w.dtype, device=w.device)
@@ -83,8 +81,8 @@ class DraftBlockGraphs:
         self.context[1].fill_(scratch_slot)  # positions | slots
         self.requests = torch.zeros(2, most, dtype=torch.int64, device=w.device)  # anchors | starts
         self.block_slots = torch.full((most * block,), scratch_slot, device=w.device)
-        self.kv_lens = torch.full((most,), block, dtype=torch.int32, device=w.device)
-        self.page_table = torch.zeros(most, self.max_pages, dtype=torch.int32, device=w.device)
+        max_pages = -(-(context_length + 2 * self.rows) // ps)
+        self.tables = StaticTables(most, max_pages, ps, backend)
         self.graphs: dict[int, Forward] = {}
         self.replays = 0
         with torch.inference_mode():
@@ -95,20 +93,9 @@ class DraftBlockGraphs:
         g, n = self.block, bs * self.rows
         features, positions, slots = self.features[:n], self.context[0, :n], self.context[1, :n]
         anchors, starts = self.requests[0, :bs], self.requests[1, :bs]
-        q_lens = [g] * bs
-        fixed = plan_layout(
-            q_lens, q_lens, [[0]] * bs, self.page_size, features.device, self.backend.group, False
-        )
-        meta = AttentionMetadata(
-            positions=self.block_slots[: bs * g],  # not read by the Triton backend
-            slot_mapping=self.block_slots[: bs * g],
-            q_lens=q_lens,
-            kv_lens=q_lens,
-            page_tables=[[0]] * bs,
-            page_size=self.page_size,
-            causal=False,
-            plan=replace(fixed, kv_lens=self.kv_lens[:bs], page_table=self.page_table[:bs]),
-        )
+        block_slots = self.block_slots[: bs * g]
+        # (The Triton backend reads no positions: the block's RoPE is the model's.)
+        meta = self.tables.metadata(g, bs, block_slots, block_slots, causal=False)
         attend = paged_attend(self.backend, meta)
 
         def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -143,9 +130,6 @@ class DraftBlockGraphs:
         for i, row in enumerate(x.block_slots):
             block_slots[i * g : (i + 1) * g] = row
         kv_lens = [s + g for s in x.starts] + [g] * (bs - r)
-        width = max(len(t) for t in x.page_tables)
-        assert width <= self.max_pages, "a block past the draft page-table buffer"
-        tables = [t + [0] * (width - len(t)) for t in x.page_tables]
         device = self.features.device
         if where:
             index = torch.tensor(where, device=device)
@@ -156,10 +140,7 @@ class DraftBlockGraphs:
             torch.tensor([x.anchors + pad, x.starts + pad]), non_blocking=True
         )
         self.block_slots[: bs * g].copy_(torch.tensor(block_slots), non_blocking=True)
-        self.kv_lens[:bs].copy_(torch.tensor(kv_lens, dtype=torch.int32), non_blocking=True)
-        self.page_table[:r, :width].copy_(
-            torch.tensor(tables, dtype=torch.int32), non_blocking=True
-        )
+        self.tables.fill(kv_lens, x.page_tables)
         hidden, _ = self.graphs[bs]()
         self.replays += 1
         return hidden[:r].clone()
