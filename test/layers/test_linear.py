@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,7 +27,8 @@ def test_bf16_weights_give_unrounded_float32_logits(shape, serving) -> None:
     head.post_load()
     x = torch.randn(*shape, generator=g).to(torch.bfloat16)
     mode = torch.inference_mode if serving else torch.enable_grad
-    assert head.packed._of is not None  # (big enough to be packed)
+    # (big enough to be packed, where oneDNN packs float32 at all)
+    assert head.packed._of is not None or not linear_mod.onednn_packs(torch.float32)
     with mode():
         out = head(x)
     assert out.dtype == torch.float32 and out.shape == (*shape[:-1], 1024)
@@ -72,13 +80,25 @@ def _serving_calls(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def force_f_linear(monkeypatch) -> None:
+    """Makes this CPU behave like one whose oneDNN packs nothing (an AVX2-only
+    CPU refuses bfloat16): every linear must fall back to ``F.linear``."""
+    monkeypatch.setattr(linear_mod, "onednn_packs", lambda dtype: False)
+
+
+@pytest.mark.parametrize("path", ["packed", "fallback"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 256), (8, 256), (2, 7, 256)], ids=["row", "chain", "blocks"])
-def test_serving_linears_run_packed_and_equal_f_linear(monkeypatch, dtype, shape) -> None:
+def test_serving_linears_run_packed_and_equal_f_linear(monkeypatch, path, dtype, shape) -> None:
     """Linear, MergedLinear, FusedLinears (whole and a row slice) and the
     logits head: in inference mode each runs over its packed weight and
-    agrees with ``F.linear`` to float rounding; with gradients on, none does."""
+    agrees with ``F.linear`` to float rounding; with gradients on, none does.
+    Where oneDNN cannot pack the dtype (forced here: ``fallback``), nothing
+    is packed, nothing fails, and every linear is ``F.linear`` itself."""
+    if path == "packed" and not linear_mod.onednn_packs(dtype):
+        pytest.skip(f"this CPU's oneDNN cannot pack {dtype} weights")
+    if path == "fallback":
+        force_f_linear(monkeypatch)
     g = torch.Generator().manual_seed(2)
     # every weight at least PACK_MIN_ELEMENTS
     lin = Linear(256, 256, bias=True)
@@ -107,6 +127,8 @@ def test_serving_linears_run_packed_and_equal_f_linear(monkeypatch, dtype, shape
         ),
         (head, lambda: F.linear(x.float(), head.weight.float())),
     ]
+    if path == "fallback":
+        tol = 0.0  # the very same F.linear
     calls = _serving_calls(monkeypatch)
     for run, reference in cases:
         with torch.inference_mode():
@@ -114,7 +136,7 @@ def test_serving_linears_run_packed_and_equal_f_linear(monkeypatch, dtype, shape
         want = reference()
         assert got.shape == want.shape and got.dtype == want.dtype
         torch.testing.assert_close(got.float(), want.float(), atol=tol * 10, rtol=tol)
-    assert len(calls) == len(cases)
+    assert len(calls) == (len(cases) if path == "packed" else 0)
     calls.clear()
     for run, _ in cases:
         run(x)
@@ -149,6 +171,83 @@ def test_packed_weight_follows_the_weight_and_gradients_flow() -> None:
         torch.testing.assert_close(lin.forward(x), first * -2, atol=1e-5, rtol=1e-5)
     lin.forward(x).sum().backward()
     torch.testing.assert_close(lin.weight.grad, x.sum(0).expand(256, 256))
+
+
+def test_a_cpu_whose_onednn_refuses_to_pack_serves_by_f_linear(monkeypatch) -> None:
+    """The probe behind every packing decision: when oneDNN refuses a dtype
+    (as an AVX2-only CPU refuses bfloat16, with a RuntimeError), the dtype
+    counts as unpackable and the layers load and run by ``F.linear``."""
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support ...")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    probe = linear_mod.onednn_packs.__wrapped__  # uncached
+    assert not probe(torch.float32) and not probe(torch.bfloat16)
+    monkeypatch.setattr(linear_mod, "onednn_packs", probe)
+    lin = Linear(256, 256).to(torch.bfloat16)
+    lin.post_load()  # refused, not raised
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            lin.forward(x), F.linear(x, lin.weight, lin.bias), atol=0, rtol=0
+        )
+    assert lin.packed._of is None
+    assert "F.linear" in linear_mod.cpu_matmul_path(torch.bfloat16)
+
+
+# What an AVX2-only x86 CPU offers, on any x86 CPU: oneDNN and ATen's own
+# kernels capped at AVX2 (both read these at start-up).
+AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+SCORE_AND_GENERATE = """
+import json, logging, sys
+import torch
+from specserve import Engine
+from specserve.assets import demo_path, demo_token_map
+from specserve.layers.linear import onednn_packs
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+eng = Engine(model_path=demo_path(), dtype=sys.argv[1], speculative_algorithm="DSPARK",
+             speculative_draft_model_path=demo_path("dspark"),
+             speculative_token_map=demo_token_map(), max_total_tokens=1024, skip_server_warmup=True)
+scored = eng.generate(sys.argv[2], {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
+out = eng.generate(sys.argv[2], {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+                   return_logprob=True)
+eng.shutdown()
+print(json.dumps({
+    "packs_bf16": onednn_packs(torch.bfloat16),
+    "prompt": [lp for lp, _, _ in scored["meta_info"]["input_token_logprobs"][1:]],
+    "output": [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]],
+}))
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISA caps")
+def test_bfloat16_starts_and_serves_on_a_cpu_without_avx512() -> None:
+    """An engine in bfloat16 (target and DSpark drafter) starts and generates
+    where oneDNN has no bfloat16 path; its prompt logprobs agree with the
+    float32 engine's to bfloat16 rounding."""
+    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+    runs = {}
+    for dtype, env in (("bfloat16", AVX2_ONLY), ("float32", {})):
+        proc = subprocess.run(
+            [sys.executable, "-c", SCORE_AND_GENERATE, dtype, prompt],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[dtype] = json.loads(proc.stdout.strip().splitlines()[-1])
+        if dtype == "bfloat16":
+            assert "CPU linears: bfloat16 by F.linear" in proc.stderr
+    bf16, fp32 = runs["bfloat16"], runs["float32"]
+    assert not bf16["packs_bf16"]
+    assert len(bf16["output"]) == 12 and all(math.isfinite(v) for v in bf16["output"])
+    assert len(bf16["prompt"]) == len(fp32["prompt"]) > 10
+    worst = max(abs(a - b) for a, b in zip(bf16["prompt"], fp32["prompt"]))
+    assert worst < 0.15, worst  # measured: 0.031 (bfloat16's rounding)
 
 
 @pytest.mark.gpu

@@ -1,12 +1,13 @@
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 # oneDNN (mkldnn) linears over a pre-packed weight: what torch.compile's CPU
 # weight prepacking builds, without compiling anything.
-_ONEDNN = torch.backends.mkldnn.is_available()
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # Smaller weights stay on F.linear: below this oneDNN's fixed cost per call
 # (~15 us here, against ~5 us for F.linear on a 256 x 256 weight at one row)
@@ -49,14 +50,43 @@ class PackedWeight:
             self.get(weight, dtype)
 
 
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN runs linears over packed ``dtype`` weights.
+
+    float32 packs wherever torch has oneDNN; bfloat16 only where oneDNN has a
+    bfloat16 path (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX on x86: an
+    AVX2-only CPU refuses to pack it). Asked of torch, then tried once on a
+    tiny weight and checked against ``F.linear``, so a CPU (or an
+    ``ONEDNN_MAX_CPU_ISA`` cap) that refuses or miscomputes falls back to
+    ``F.linear`` instead of failing at start-up. A fact of the machine, hence
+    cached for the process."""
+    if dtype not in _ONEDNN_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    # Exactly representable in bfloat16, so both products are exact.
+    w = (torch.arange(16 * 32) % 7 - 3).reshape(16, 32).to(dtype)
+    x = (torch.arange(3 * 32) % 5 - 2).reshape(3, 32).to(dtype)
+    try:
+        with torch.no_grad():
+            got = packed_linear(x, torch.ops.mkldnn._reorder_linear_weight(w, None))
+    except RuntimeError:
+        return False
+    return torch.equal(got.float(), F.linear(x.float(), w.float()))
+
+
+def cpu_matmul_path(dtype: torch.dtype) -> str:
+    """How CPU linears in ``dtype`` run here (for the start-up log)."""
+    name = str(dtype).removeprefix("torch.")
+    if onednn_packs(dtype):
+        return f"{name} over oneDNN-packed weights"
+    return f"{name} by F.linear (this CPU's oneDNN cannot pack {name} weights)"
+
+
 def _packable(device: torch.device, dtype: torch.dtype, weight: torch.Tensor) -> bool:
     """oneDNN takes a matmul in ``dtype`` on ``device`` by ``weight``."""
-    return (
-        _ONEDNN
-        and device.type == "cpu"
-        and dtype in _ONEDNN_DTYPES
-        and weight.numel() >= PACK_MIN_ELEMENTS
-    )
+    return device.type == "cpu" and weight.numel() >= PACK_MIN_ELEMENTS and onednn_packs(dtype)
 
 
 def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:

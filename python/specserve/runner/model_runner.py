@@ -25,6 +25,7 @@ from specserve.layers.compressed_attention import (
     bytes_per_page,
     describe_kv,
 )
+from specserve.layers.linear import cpu_matmul_path
 from specserve.models.loader import load_model
 from specserve.runner.cuda_graph_runner import Capture, CudaGraphRunner, cuda_graph_capture
 from specserve.runner.input_builder import build_inputs
@@ -61,6 +62,8 @@ class ModelRunner:
         self.model = load_model(
             config.model_path, self.model_config, self.dtype, self.device, self.context_length
         )
+        if self.device.type == "cpu":
+            logger.info("CPU linears: %s", cpu_matmul_path(self.dtype))
         if config.enable_torch_compile:
             self.model.compile_dense()  # compiles on the first forward of each shape class
         self.load_seconds = time.perf_counter() - start
