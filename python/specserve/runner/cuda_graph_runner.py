@@ -19,18 +19,23 @@ Prefill chunks and mixed batches run eagerly.
 Only the Triton attention backend qualifies: its plan lives on the device,
 while the torch backend plans each forward on the host. ``capture`` turns a
 zero-argument forward into its replay: CUDA graphs on a GPU
-(``cuda_graph_capture``); the CPU tests use ``replay_eagerly``, which reruns
-the same function on the same buffers and plan, so everything here but the
-graph itself is checked without a GPU.
+(``cuda_graph_capture``); the CPU tests use ``simulated_graph_capture``,
+which reruns the same function on the same buffers and plan but keeps what
+the engine can tell of a graph (outputs written in place at every replay,
+other graphs' outputs clobbered, no host syncs inside), so everything here
+but the graph itself is checked without a GPU.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specserve.cache.block_pool import page_slots
 from specserve.core import ScheduledBatch
@@ -50,11 +55,111 @@ def batch_buckets(max_bs: int) -> list[int]:
     return sizes if sizes[-1] == max_bs else [*sizes, max_bs]
 
 
-def replay_eagerly(forward: Forward) -> Forward:
-    """A capture that is no capture: the replay calls ``forward`` again (on
-    the same static buffers). For checking the buffers and padding without CUDA."""
-    forward()
-    return forward
+class HostSyncError(RuntimeError):
+    """A captured forward read the device back to the host."""
+
+
+# Ops that read device values to the host (a CUDA graph capture fails on
+# them): scalars, and ops whose output shape depends on the data. By name:
+# under inference mode composite ops (item, where) reach the dispatcher whole.
+_SYNC_OPS = frozenset(
+    {
+        "_local_scalar_dense",  # .item(), int(t), bool(t), float(t)
+        "item",
+        "is_nonzero",
+        "equal",
+        "nonzero",
+        "nonzero_numpy",
+        "argwhere",
+        "masked_select",
+        "_unique",
+        "_unique2",
+        "unique_consecutive",
+        "unique_dim",
+        "bincount",
+    }
+)
+# Tensor methods that read to the host without an op on a CPU tensor (the
+# dispatcher sees nothing, but on a GPU they would sync).
+_SYNC_METHODS = frozenset({torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.numpy})
+
+
+def _is_host_sync(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    name = func.overloadpacket.__name__
+    if name in _SYNC_OPS:
+        return True
+    if name == "where":  # torch.where(cond): the indices of cond
+        return len(args) + len(kwargs) == 1
+    if name in ("index", "index_put", "index_put_", "_index_put_impl_"):  # boolean masks
+        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    if name == "repeat_interleave":  # tensor repeats: their sum, unless output_size says
+        repeats = args[0] if len(args) == 1 else args[1]
+        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+    if name in ("_to_copy", "copy_"):  # a copy to the host
+        src = args[1] if name == "copy_" else args[0]
+        dst = args[0].device if name == "copy_" else kwargs.get("device")
+        return dst is not None and torch.device(dst).type == "cpu" and src.device.type != "cpu"
+    return False
+
+
+class _OpGuard(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_host_sync(func, args, kwargs):
+            raise HostSyncError(f"{func} reads the device inside a captured forward")
+        return func(*args, **kwargs)
+
+
+class _MethodGuard(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _SYNC_METHODS:
+            raise HostSyncError(f"Tensor.{func.__name__} inside a captured forward")
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def host_sync_guard() -> Iterator[None]:
+    """Raises ``HostSyncError`` on any host sync inside: what a CUDA graph
+    capture cannot record (the CPU's simulated capture runs under it)."""
+    with _MethodGuard(), _OpGuard():
+        yield
+
+
+def _poison(t: torch.Tensor | None) -> None:
+    if t is not None:
+        t.fill_(float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).min)
+
+
+def simulated_graph_capture() -> Capture:
+    """What the engine can tell of CUDA graphs sharing one memory pool, on
+    any device: a capture runs ``forward`` once and keeps its output tensors;
+    each replay runs it again, copies the results into those same tensors
+    (a later replay overwrites what an earlier one returned) and fills every
+    other captured forward's outputs with NaN (another graph in the pool may
+    reuse their memory). Forwards run under ``host_sync_guard``."""
+    captured: list[Outputs] = []  # every graph's outputs: the pool
+
+    def capture(forward: Forward) -> Forward:
+        with host_sync_guard():
+            out = forward()
+        captured.append(out)
+
+        def replay() -> Outputs:
+            with torch.inference_mode(), host_sync_guard():
+                fresh = forward()
+            with torch.inference_mode():
+                for other in captured:
+                    if other is not out:
+                        for t in other:
+                            _poison(t)
+                for t, f in zip(out, fresh, strict=True):
+                    if t is not None:
+                        t.copy_(f)
+            return out
+
+        return replay
+
+    return capture
 
 
 def cuda_graph_capture(device: torch.device) -> Capture:
