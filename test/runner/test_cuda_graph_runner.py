@@ -33,8 +33,8 @@ from specserve.tools.tiny_model import make_tiny_dspark
 PROMPTS = random_prompts(3, [6, 13, 9], seed=71)
 # Different lengths: the batch shrinks 3 -> 2 -> 1 (buckets 4, 2, 1). 17
 # tokens: room for a round of each accept length 0..4 (1 + 2 + ... + 5 = 15
-# tokens) after the prompt's and before the last round, which no later
-# proposal observes.
+# tokens) between the prefill's token and the last round (which no later
+# proposal observes).
 PLAIN = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (17, 8, 3)]
 
 
@@ -209,8 +209,8 @@ def test_dspark_replayed_equals_eager_and_plain_decoding(eager, tmp_path, ngram_
             if graphs:
                 assert any(s.width > 1 for s in eng.runner.graphs.replays)
                 assert dspark.graphs.replays > 0
-                # What the target's and the drafter's replays returned (the
-                # features proposers keep) outlived the later replays.
+                # What the replays returned (the target's features, which the
+                # proposer keeps; the drafter's blocks) outlived later replays.
                 assert_unchanged(kept)
                 assert_unchanged(kept_blocks)
         finally:
