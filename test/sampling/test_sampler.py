@@ -176,6 +176,30 @@ def test_mixed_rows_are_processed_as_each_alone() -> None:
     torch.testing.assert_close(got[4], logits[4])
 
 
+def test_every_row_of_a_request_gets_its_bias_and_held_stops() -> None:
+    """Bias and stop suppression are applied per request, not per entry: each
+    row of a verify chain (and of another request sharing the parameters)
+    still gets all of it, stops held only while under min_new_tokens."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, 12, generator=g)
+    sp = SamplingParams(logit_bias={2: 1.5, 6: -2.0, 99: 3.0}, min_new_tokens=5)
+    stops = frozenset({0, 6})
+    rows = [
+        RowControls(sp, None, 3, stops),  # a chain: held, held, free
+        RowControls(sp, None, 4, stops, (8,)),
+        RowControls(sp, None, 5, stops, (8, 1)),
+        RowControls(SamplingParams(logit_bias={2: -4.0}), None, 0, frozenset()),
+        RowControls(sp, None, 3, frozenset({0, 6})),  # another request, the same parameters
+    ]
+    got = process_logits(logits.clone(), rows)
+    want = logits.clone()
+    want[[0, 1, 2, 4], 2] += 1.5  # id 99 is past the vocabulary: ignored
+    want[[0, 1, 2, 4], 6] -= 2.0
+    want[3, 2] -= 4.0
+    want[[0, 1, 4], 0] = want[[0, 1, 4], 6] = float("-inf")
+    torch.testing.assert_close(got, want)
+
+
 def test_nan_logits_are_impossible_tokens_when_sampling_too() -> None:
     """The NaN contract of greedy verify and the logprob kernel holds for plain
     sampling: a NaN logit is never drawn, greedily or not."""

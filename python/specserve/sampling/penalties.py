@@ -7,9 +7,10 @@ and is updated on every commit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specserve.host import upload
@@ -58,28 +59,64 @@ class RowControls:
 
 def process_logits(logits: torch.Tensor, rows: Sequence[RowControls]) -> torch.Tensor:
     """Applies bias, penalties and min-token suppression to ``logits [N, V]``
-    in place: each kind for all its rows at once (a few ops whatever N is)."""
+    in place: each kind for all its rows at once (a few ops whatever N is, and
+    a few per request, never per entry: a bias may name every token)."""
     vocab, device = logits.shape[1], logits.device
     bias = [
-        (i, t, v)
-        for i, r in enumerate(rows)
-        for t, v in (r.params.logit_bias or {}).items()
-        if t < vocab
+        (members, _ids(b), _array(b.values(), np.float32))
+        for members, r in _by_request(rows, lambda r: bool(r.params.logit_bias))
+        if (b := r.params.logit_bias) is not None
     ]
     if bias:
-        ri, ti, values = zip(*bias)
+        ri, ti, values = _entries(bias, vocab)
         index = (upload(ri, device), upload(ti, device))
-        logits.index_put_(
-            index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True
-        )
+        logits.index_put_(index, upload(values, device, logits.dtype), accumulate=True)
     penalised = [i for i, r in enumerate(rows) if r.penalty is not None]
     if penalised:
         logits[penalised] = _penalties(logits[penalised], [rows[i] for i in penalised])
-    held = [(i, t) for i, r in enumerate(rows) if r.holds_stops for t in r.stop_ids if t < vocab]
+    held = [
+        (members, _ids(r.stop_ids), np.full(len(r.stop_ids), -np.inf, np.float32))
+        for members, r in _by_request(rows, lambda r: r.holds_stops)
+    ]
     if held:
-        ri, ti = zip(*held)
-        logits[upload(ri, device), upload(ti, device)] = float("-inf")
+        ri, ti, values = _entries(held, vocab)
+        index = (upload(ri, device), upload(ti, device))
+        logits.index_put_(index, upload(values, device, logits.dtype))
     return logits
+
+
+def _by_request(
+    rows: Sequence[RowControls], applies: Callable[[RowControls], bool]
+) -> list[tuple[list[int], RowControls]]:
+    """The rows ``applies`` to, grouped by request (a verify chain's rows share
+    its parameters and stop ids): each group's row indices and its first row."""
+    groups: dict[tuple[int, int], tuple[list[int], RowControls]] = {}
+    for i, r in enumerate(rows):
+        if applies(r):
+            groups.setdefault((id(r.params), id(r.stop_ids)), ([], r))[0].append(i)
+    return list(groups.values())
+
+
+def _array(values: Collection, dtype: type) -> np.ndarray:
+    return np.fromiter(values, dtype, len(values))
+
+
+def _ids(tokens: Collection[int]) -> np.ndarray:
+    return _array(tokens, np.int64)
+
+
+def _entries(
+    groups: list[tuple[list[int], np.ndarray, np.ndarray]], vocab: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row, token, value) triples of ``groups``, each some rows that all take
+    the same ``tokens`` with ``values``; tokens past the vocabulary are left out."""
+    ri, ti, vi = [], [], []
+    for members, tokens, values in groups:
+        keep = tokens < vocab
+        ri.append(np.repeat(np.asarray(members, dtype=np.int64), int(keep.sum())))
+        ti.append(np.tile(tokens[keep], len(members)))
+        vi.append(np.tile(values[keep], len(members)))
+    return np.concatenate(ri), np.concatenate(ti), np.concatenate(vi)
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
