@@ -14,6 +14,12 @@ from specserve.grammar.base import GrammarSpec
 # Temperatures this small sample greedily: dividing logits by them overflows
 # float32 and the distribution turns into NaN.
 GREEDY_BELOW = 1e-5
+# Larger temperatures are taken as this one, the largest float32: above it a
+# temperature is inf on the device, and a masked logit (-inf) divided by inf is
+# NaN. Here every finite logit scales to about 0 and a masked one stays -inf:
+# the uniform distribution over the allowed tokens, which is what any larger
+# temperature means in float32 too.
+MAX_TEMPERATURE = 3.4028234663852886e38
 # Seeds: anything a client may mean by a 64-bit seed, signed or not, taken
 # modulo 2**64 (what torch generators accept).
 SEED_RANGE = (-(2**63), 2**64)
@@ -59,9 +65,12 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", _parse_logit_bias(self.logit_bias))
         if isinstance(self.json_schema, dict):
             object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
-        if isinstance(self.temperature, (int, float)) and 0 < self.temperature < GREEDY_BELOW:
-            object.__setattr__(self, "temperature", 0.0)  # 1/t would overflow float32
         self._validate()
+        # Both ends of the temperature, once, for every device-side division by it.
+        if 0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)  # logits / t would overflow float32
+        elif self.temperature > MAX_TEMPERATURE:
+            object.__setattr__(self, "temperature", MAX_TEMPERATURE)
         if self.seed is not None:
             object.__setattr__(self, "seed", self.seed % SEED_MODULUS)
 
