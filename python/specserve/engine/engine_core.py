@@ -26,7 +26,13 @@ from specserve.engine.spec_decoder import SpecDecoder
 from specserve.host import HostStaging
 from specserve.runner.model_runner import ForwardOutput, ModelRunner
 from specserve.sampling.logprobs import TokenLogprob
-from specserve.sampling.metadata import StepRows, processed_logits, step_rows
+from specserve.sampling.metadata import (
+    StepRows,
+    UnusableLogits,
+    processed_logits,
+    row_peaks,
+    step_rows,
+)
 from specserve.sampling.penalties import PenaltyState, apply_logit_bias
 from specserve.sampling.sampler import Sampler
 from specserve.speculative.base import Proposer
@@ -69,12 +75,14 @@ class EngineStats:
 @dataclass
 class _Computed:
     """A computed step, not yet committed: the batch as run (drafts included),
-    its forward, each step's run (or None) and each step's scored rows."""
+    its forward, each step's run (or None), each step's scored rows, and why
+    a step's run came from no distribution (None where it did)."""
 
     batch: ScheduledBatch
     fwd: ForwardOutput
     runs: list[RunCommit | None]
     scores: list[StepScores]
+    unusable: list[str | None]
 
 
 def is_fatal(error: BaseException) -> bool:
@@ -262,30 +270,43 @@ class EngineCore:
         # Every row a token is drawn or verified from, as the sampler sees it.
         rows = step_rows(batch.steps, fwd.row_offsets, self.runner.vocab_size)
         processed = processed_logits(_take(fwd.logits, rows.logit_rows), rows.metadata)
+        peaks = row_peaks(processed)  # [len(rows.logit_rows)]
         pending = [p for p in (self._sample(batch, rows, processed),) if p is not None]
         if self.spec is not None:
             verified = self.spec.verify(batch, rows, processed, self.sampler.generator)
             pending += [verified] if verified is not None else []
         scoring = self._scoring_logits(batch, fwd, rows.logit_rows, processed)
         scores = self.output_processor.score(batch.steps, fwd.row_offsets, pending, scoring)
-        # The step's one read back: every run's tokens (and accept lengths), the scores.
-        host = self.staging.fetch([t for g in pending for t in g.tensors()] + scores.tensors())
+        # The step's one read back: every run's tokens (and accept lengths),
+        # the rows' peaks, the scores.
+        run_tensors = [t for g in pending for t in g.tensors()]
+        host = self.staging.fetch([*run_tensors, peaks, *scores.tensors()])
         by_step: list[RunCommit | None] = [None] * len(batch.steps)
+        unusable: list[str | None] = [None] * len(batch.steps)
         candidates: list[int] = []
         for k, group in enumerate(pending):
             tokens, accept = host[2 * k], host[2 * k + 1]
             candidates += tokens
             for run in group.commits(tokens, accept):
                 by_step[run.step] = run
-        step_scores = scores.finish(host[2 * len(pending) :], candidates)
-        return _Computed(batch, fwd, by_step, step_scores)
+                # Only the rows its committed tokens came from (a chain's
+                # rows after a rejection decided nothing).
+                unusable[run.step] = rows.unusable(
+                    run.step, len(run.token_ids), host[len(run_tensors)]
+                )
+        step_scores = scores.finish(host[len(run_tensors) + 1 :], candidates)
+        return _Computed(batch, fwd, by_step, step_scores, unusable)
 
     def _commit(self, c: _Computed) -> None:
         """Each request takes its share of the computed step on its own."""
         first = 0  # the entry's first token among the batch's tokens
-        for step, entry, run, scores in zip(c.batch.steps, c.batch.entries, c.runs, c.scores):
+        for step, entry, run, scores, unusable in zip(
+            c.batch.steps, c.batch.entries, c.runs, c.scores, c.unusable
+        ):
             req, fed = step.req, len(entry.token_ids)
             try:
+                if unusable is not None:
+                    raise UnusableLogits(unusable)
                 req.num_computed = entry.prefix_len + fed  # the fed tokens' K/V are cached
                 before = len(req.output_ids)
                 self.output_processor.commit(step, run, scores)

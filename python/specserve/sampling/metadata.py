@@ -9,10 +9,17 @@ masks to all of them at once; ``target_probs`` turns processed rows into the
 distribution plain sampling draws from (temperature, top-k / top-p / min-p).
 The sampler, greedy and rejection verification, and ``--logprobs-mode
 processed`` all read these two, so speculation stays lossless by construction.
+
+A processed row whose largest entry is not finite is no distribution: a NaN
+or +inf logit (the model's forward broke down there), or nothing left
+possible (every entry -inf). ``row_peaks`` finds such rows on the device for
+the step's one read back, and the engine fails their requests
+(``StepRows.unusable``) instead of committing whatever the sampler drew.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,6 +60,25 @@ class StepRows:
     logit_rows: list[int]
     spans: dict[int, range]  # batch step -> its rows in the metadata
     metadata: SamplingMetadata
+
+    def unusable(self, step: int, used: int, peaks: Sequence[float]) -> str | None:
+        """Why a token of ``step`` came from no distribution, or None: the
+        first of its first ``used`` rows (those its committed tokens were drawn
+        or verified from) whose peak (``row_peaks``, fetched) is not finite."""
+        for k in self.spans[step][:used]:
+            peak = peaks[k]
+            if math.isnan(peak) or peak == math.inf:
+                return "the model's logits at this position are not finite (NaN or inf)"
+            if peak == -math.inf:
+                return (
+                    "no token is possible at this position: every logit is -inf after the "
+                    "logit bias, penalties, min_new_tokens stop suppression and grammar mask"
+                )
+        return None
+
+
+class UnusableLogits(RuntimeError):
+    """A request's logits row gave no distribution to draw from (``StepRows.unusable``)."""
 
 
 def step_rows(steps: Sequence[ReqStep], row_offsets: Sequence[int], vocab_size: int) -> StepRows:
@@ -105,6 +131,13 @@ def processed_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     if meta.grammar is not None:
         apply_bitmask(x, *meta.grammar)
     return x
+
+
+def row_peaks(processed: torch.Tensor) -> torch.Tensor:
+    """The largest entry of each processed row ``[N]`` (NaN where the row holds
+    one): finite exactly when the row is a distribution. One reduction on the
+    device; the host reads it with the step's tokens."""
+    return processed.amax(dim=-1)
 
 
 def target_probs(processed: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
