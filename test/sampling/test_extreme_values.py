@@ -33,7 +33,7 @@ HUGE = 1e308  # inf in float32
 EDGE = GREEDY_BELOW * 1.0001  # the smallest temperatures that still sample
 PROMPTS = ["def f(", "x = [", "import os\n"]
 REGEX = "[ab]{1,3}"
-MAX_NEW = 6
+MAX_NEW = 4  # room for the regex: three letters and an end of sequence
 VOCAB = 8192  # the demo's
 
 
