@@ -49,6 +49,18 @@ class Server:
             time.sleep(0.05)
 
 
+def assert_documented(openapi: dict, method: str, path: str, r: httpx.Response) -> None:
+    """``r``'s status is one that ``/openapi.json`` lists for the operation,
+    and an error's body validates against the schema listed for it."""
+    listed = openapi["paths"][path][method]["responses"]
+    assert str(r.status_code) in listed, (method, path, r.status_code, sorted(listed), r.text[:300])
+    if r.status_code >= 400:
+        import jsonschema
+
+        schema = listed[str(r.status_code)]["content"]["application/json"]["schema"]
+        jsonschema.validate(r.json(), {**schema, "components": openapi["components"]})
+
+
 @contextmanager
 def running_server(
     model_path: str,

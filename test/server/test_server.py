@@ -14,16 +14,22 @@ import pytest
 import torch
 
 from models_zoo import hf_logits, model_path, random_prompts
-from server_harness import running_server
+from server_harness import assert_documented, running_server
 
 openai = pytest.importorskip("openai")
 
 TOL = 1e-4
+BODY_LIMIT = 2**20  # bytes (--max-request-body-bytes)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with running_server(model_path("qwen3"), log_dir=str(tmp_path_factory.mktemp("logs"))) as s:
+    with running_server(
+        model_path("qwen3"),
+        "--max-request-body-bytes",
+        str(BODY_LIMIT),
+        log_dir=str(tmp_path_factory.mktemp("logs")),
+    ) as s:
         yield s
         s.wait_idle()
 
@@ -289,6 +295,60 @@ def test_unknown_model_and_malformed_json(server) -> None:
     assert server.http.get("/health_generate").status_code == 200
 
 
+POSTS = ["/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize"]
+POSTS += ["/abort_request"]
+ERROR = {"error": {"message": "m", "type": "invalid_request_error", "param": None, "code": 400}}
+
+
+def test_openapi_lists_the_statuses_the_server_answers(server) -> None:
+    """No operation lists FastAPI's 422 (never sent); every POST lists a 400
+    whose schema is the OpenAI error shape; real bad requests get a status
+    the document lists for them, with a body that fits its schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    doc = server.http.get("/openapi.json").json()
+    ops = {(m, p): op for p, methods in doc["paths"].items() for m, op in methods.items()}
+    assert {("post", p) for p in POSTS} == {k for k in ops if k[0] == "post"}
+    assert [k for k, op in ops.items() if "422" in op["responses"]] == []
+    assert not {"HTTPValidationError", "ValidationError"} & set(doc["components"]["schemas"])
+    assert [k for k, op in ops.items() if "401" in op["responses"]] == []  # no --api-key
+    for path in POSTS:
+        entry = ops["post", path]["responses"]["400"]
+        schema = {**entry["content"]["application/json"]["schema"], "components": doc["components"]}
+        jsonschema.validate(ERROR, schema)
+        for wrong in (
+            {"detail": [{"loc": ["body"], "msg": "m", "type": "t"}]},  # FastAPI's 422 body
+            {"error": {k: v for k, v in ERROR["error"].items() if k != "param"}},
+            {"error": {**ERROR["error"], "code": "400"}},
+        ):
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(wrong, schema)
+    big = b'{"prompt": "' + b"x" * BODY_LIMIT + b'"}'
+    cases = [(path, b"{", 400) for path in POSTS] + [(path, big, 413) for path in POSTS]
+    cases += [
+        ("/v1/completions", {"prompt": 5}, 400),
+        ("/v1/chat/completions", {"messages": []}, 400),
+        ("/generate", {"text": "x", "sampling_params": {"top_p": 2}}, 400),
+        ("/tokenize", {"prompt": 5}, 400),
+        ("/detokenize", {"tokens": [10**7]}, 400),
+        ("/abort_request", {}, 400),
+    ]
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", chat)):
+        cases.append((path, {**body, "model": "nope"}, 404))
+    cases += [("/tokenize", {"prompt": "x", "model": "nope"}, 404)]
+    cases += [("/detokenize", {"tokens": [1], "model": "nope"}, 404)]
+    for path, body, status in cases:
+        if isinstance(body, bytes):
+            headers = {"content-type": "application/json"}
+            r = server.http.post(path, content=body, headers=headers)
+        else:
+            r = server.http.post(path, json=body)
+        assert r.status_code == status, (path, r.status_code, r.text[:300])
+        assert_documented(doc, "post", path, r)
+    for path in ("/health", "/health_generate", "/v1/models"):
+        assert_documented(doc, "get", path, server.http.get(path))
+
+
 def test_disconnect_mid_stream_frees_everything(server) -> None:
     before = server.wait_idle()
     body = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True}
@@ -364,6 +424,13 @@ def test_api_key_is_required_when_set(tmp_path) -> None:
             == 401
         )
         assert s.http.get("/v1/models").status_code == 200
+        doc = s.http.get("/openapi.json").json()
+        ops = {(m, p): op for p, methods in doc["paths"].items() for m, op in methods.items()}
+        assert [k for k, op in ops.items() if "401" not in op["responses"]] == [("get", "/health")]
+        assert_documented(doc, "get", "/v1/models", r)
+        r = httpx.post(s.base + "/generate", json={"text": "x"})
+        assert r.status_code == 401
+        assert_documented(doc, "post", "/generate", r)
         c = openai.OpenAI(base_url=s.base + "/v1", api_key="sesame", max_retries=0)
         assert (
             c.completions.create(

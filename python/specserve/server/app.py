@@ -18,7 +18,13 @@ from specserve.engine.engine import Engine
 from specserve.protocol.openai import DetokenizeRequest, TokenizeRequest
 from specserve.server import native, openai_chat, openai_completions
 from specserve.server.context import ServerContext
-from specserve.server.errors import APIError, error_body, install_error_handlers
+from specserve.server.errors import (
+    APIError,
+    error_body,
+    error_responses,
+    install_error_handlers,
+    install_openapi,
+)
 
 OPEN_PATHS = ("/health",)  # answered without an API key (liveness probes)
 
@@ -28,30 +34,32 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     ctx = ServerContext(engine, config, config.served_model_name or engine.config.model_path)
     app.state.ctx = ctx
     install_error_handlers(app)
+    install_openapi(app, OPEN_PATHS if config.api_key else None)
     app.add_middleware(BodyLimit, limit=config.max_request_body_bytes)
     if config.api_key:
         _install_auth(app, config.api_key)
-    for module in (openai_completions, openai_chat, native):
-        app.include_router(module.router)
+    # The OpenAI endpoints check the model name and stop with the engine.
+    for module in (openai_completions, openai_chat):
+        app.include_router(module.router, responses=error_responses(404, 503))
+    app.include_router(native.router)
     created = int(time.time())
 
-    @app.get("/health")
+    @app.get("/health", responses=error_responses(503))
     async def health() -> Response:
         """Liveness: 503 once the engine has stopped on an error (the server
         then exits non-zero)."""
         if engine.error is not None:
-            body = error_body(f"the engine stopped: {engine.error}", "server_error", None, 503)
-            return JSONResponse(body, 503)
+            return _unhealthy(f"the engine stopped: {engine.error}")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", responses=error_responses(503))
     async def health_generate(raw: Request) -> Response:
         """Healthy only if the engine generates a token within the deadline."""
         greqs, _ = await ctx.build(input_ids=[[0]], sampling_params={"max_new_tokens": 1})
         try:
             await asyncio.wait_for(ctx.collect(greqs, raw), timeout=60)
         except asyncio.TimeoutError:
-            return JSONResponse(error_body("generation timed out", "server_error", None, 503), 503)
+            return _unhealthy("generation timed out")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -82,7 +90,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             "speculative": _spec_info(engine),
         }
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=error_responses(404))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         ctx.check_model(body.model)
         tok = engine.tokenizer
@@ -100,7 +108,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             "max_model_len": engine.requests.limits.context_length,
         }
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=error_responses(404))
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
         ctx.check_model(body.model)
         vocab = engine.requests.limits.vocab_size
@@ -130,6 +138,10 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _unhealthy(message: str) -> JSONResponse:
+    return JSONResponse(error_body(message, "server_error", None, 503), 503)
 
 
 def _spec_info(engine: Engine) -> dict[str, Any] | None:

@@ -8,8 +8,23 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str  # invalid_request_error, authentication_error, not_found_error, server_error
+    param: str | None  # the field at fault, when one is
+    code: int  # the HTTP status
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):
@@ -33,7 +48,70 @@ class APIError(Exception):
 
 
 def error_body(message: str, type: str, param: str | None, code: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return ErrorResponse(
+        error=ErrorDetail(message=message, type=type, param=param, code=code)
+    ).model_dump()
+
+
+# What each error status means here, as /openapi.json describes it.
+ERROR_STATUSES = {
+    400: "Invalid request: the message names the field (param) or the limit",
+    401: "Missing or invalid API key (--api-key)",
+    404: "The model is not served here",
+    413: "Request body larger than --max-request-body-bytes",
+    500: "Internal error, or the request failed inside the engine",
+    503: "The engine has stopped (shut down, or after a device error); "
+    "/health_generate: its probe timed out or was aborted",
+}
+_REF = "#/components/schemas/{model}"
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of a route: the error statuses it answers beside those
+    every route may (see ``install_openapi``)."""
+    return {s: {"model": ErrorResponse, "description": ERROR_STATUSES[s]} for s in statuses}
+
+
+def install_openapi(app: FastAPI, open_paths: tuple[str, ...] | None) -> None:
+    """``/openapi.json`` as the server answers. Every operation may answer a
+    500 (the catch-all handler); one with a JSON body a 400 for a body that
+    fails validation (FastAPI would list a 422, which this server never
+    sends) and a 413 (``BodyLimit``); with an API key, every path but
+    ``open_paths`` a 401 (None: no key). Routes declare the rest."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(unused, None)
+        error = ErrorResponse.model_json_schema(ref_template=_REF)
+        schemas.update(error.pop("$defs", {}), ErrorResponse=error)
+        for path, ops in doc["paths"].items():
+            for op in ops.values():
+                responses = op["responses"]
+                responses.pop("422", None)
+                statuses = [500]
+                if "requestBody" in op:
+                    statuses += [400, 413]
+                if open_paths is not None and path not in open_paths:
+                    statuses.append(401)
+                for status in statuses:
+                    responses.setdefault(str(status), _error_entry(status))
+                op["responses"] = dict(sorted(responses.items()))
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _error_entry(status: int) -> dict[str, Any]:
+    schema = {"$ref": _REF.format(model=ErrorResponse.__name__)}
+    return {
+        "description": ERROR_STATUSES[status],
+        "content": {"application/json": {"schema": schema}},
+    }
 
 
 _FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)")

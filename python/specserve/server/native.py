@@ -16,12 +16,12 @@ from specserve.engine.request_factory import GenerateRequest
 from specserve.engine.result import ResultCollector
 from specserve.protocol.native import AbortRequestInput, GenerateReqInput
 from specserve.server.context import ServerContext, sse
-from specserve.server.errors import APIError
+from specserve.server.errors import APIError, error_responses
 
 router = APIRouter()
 
 
-@router.post("/generate")
+@router.post("/generate", responses=error_responses(503))
 async def generate(body: GenerateReqInput, raw: Request) -> Any:
     ctx: ServerContext = raw.app.state.ctx
     greqs, batched = await ctx.build(
