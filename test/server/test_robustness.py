@@ -248,24 +248,37 @@ def test_hostile_requests_beside_innocent_streams_leave_them_as_they_were(reques
     server.wait_idle()
 
 
-def test_abort_request_by_rid_and_all(server) -> None:
-    def long_generate(rid: str) -> dict:
-        body = {
-            "text": "x",
-            "rid": rid,
-            "stream": True,
-            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
-        }
-        last = None
-        with (
-            httpx.Client(base_url=server.base, timeout=60) as c,
-            c.stream("POST", "/generate", json=body) as r,
-        ):
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    last = json.loads(line[6:])
-        return last
+def long_generate(server, rid: str) -> dict:
+    """A streamed /generate of 3000 tokens: its last event."""
+    body = {
+        "text": "x",
+        "rid": rid,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+    }
+    last = None
+    with (
+        httpx.Client(base_url=server.base, timeout=60) as c,
+        c.stream("POST", "/generate", json=body) as r,
+    ):
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                last = json.loads(line[6:])
+    return last
 
+
+def wait_stats(server, running: int, queued: int = 0) -> None:
+    """Polls until at least ``running`` requests run and ``queued`` wait."""
+    deadline = time.monotonic() + 30
+    while True:
+        stats = server.http.get("/get_server_info").json()["stats"]
+        if stats["running"] >= running and stats["queued"] >= queued:
+            return
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.02)
+
+
+def test_abort_request_by_rid_and_all(server) -> None:
     def long_completion(rid: str) -> list[str | None]:
         body = {
             "prompt": "x",
@@ -285,16 +298,10 @@ def test_abort_request_by_rid_and_all(server) -> None:
                     finishes += [ch["finish_reason"] for ch in json.loads(line[6:])["choices"]]
         return [f for f in finishes if f is not None]
 
-    def wait_running(n: int) -> None:
-        deadline = time.monotonic() + 30
-        while server.http.get("/get_server_info").json()["stats"]["running"] < n:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        gen = pool.submit(long_generate, "long-gen")
+        gen = pool.submit(long_generate, server, "long-gen")
         comp = pool.submit(long_completion, "long-cmpl")
-        wait_running(3)
+        wait_stats(server, 3)
         assert server.http.post("/abort_request", json={"rid": "long-gen"}).json() == {"aborted": 1}
         last = gen.result(timeout=30)
         assert last["meta_info"]["finish_reason"]["type"] == "abort"
@@ -304,13 +311,33 @@ def test_abort_request_by_rid_and_all(server) -> None:
         }
         assert comp.result(timeout=30) == ["abort", "abort"]
         assert server.http.post("/abort_request", json={"rid": "unknown"}).json() == {"aborted": 0}
-        others = [pool.submit(long_generate, f"all-{i}") for i in range(2)]
-        wait_running(2)
-        assert server.http.post("/abort_request", json={"abort_all": True}).status_code == 200
+        others = [pool.submit(long_generate, server, f"all-{i}") for i in range(2)]
+        wait_stats(server, 2)
+        assert server.http.post("/abort_request", json={"abort_all": True}).json() == {"aborted": 2}
         for f in others:
             assert f.result(timeout=30)["meta_info"]["finish_reason"]["type"] == "abort"
     assert_error(server.http.post("/abort_request", json={}), 400, "rid")
     server.wait_idle()
+
+
+def test_abort_all_neither_counts_nor_aborts_a_health_probe(tmp_path) -> None:
+    """One request runs at a time, so a /health_generate probe waits behind
+    a long request: abort_all aborts (and counts) the request alone, and the
+    probe then generates its token."""
+    with running_server(
+        model_path("qwen3"), "--max-running-requests", "1", log_dir=str(tmp_path)
+    ) as s:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            long = pool.submit(long_generate, s, "long")
+            wait_stats(s, running=1)
+            probe = pool.submit(s.http.get, "/health_generate")
+            wait_stats(s, running=1, queued=1)
+            assert s.http.post("/abort_request", json={"abort_all": True}).json() == {"aborted": 1}
+            last = long.result(timeout=60)["meta_info"]
+            assert last["finish_reason"]["type"] == "abort" and last["completion_tokens"] < 3000
+            r = probe.result(timeout=60)
+            assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
+        s.wait_idle()
 
 
 def test_many_concurrent_streamed_text_prompts(server) -> None:

@@ -10,7 +10,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import torch
@@ -90,7 +90,9 @@ class Engine:
         )
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
-        self._lock = threading.Lock()  # guards _sinks, _thread, _stopped
+        # Health probes in flight (``probing``): not the clients' requests.
+        self._probes: set[str] = set()
+        self._lock = threading.Lock()  # guards _sinks, _probes, _thread, _stopped
         self._core_lock = threading.RLock()  # held by whoever steps the core
         self._stopped = False
         self._stopping = threading.Event()
@@ -229,14 +231,31 @@ class Engine:
         self._inbox.put(("abort", (rid, FinishReason("abort", message=message))))
         self._wakeup.set()
 
-    def abort_all(self, message: str | None = None) -> None:
-        """Aborts every queued and running request."""
+    def abort_all(self, message: str | None = None) -> int:
+        """Aborts every queued and running request but health probes; returns
+        how many there were (``active_rids``)."""
+        count = len(self.active_rids())
         self._inbox.put(("abort_all", FinishReason("abort", message=message)))
         self._wakeup.set()
+        return count
 
     def active_rids(self) -> list[str]:
+        """The requests in flight, health probes left out."""
         with self._lock:
-            return list(self._sinks)
+            return [rid for rid in self._sinks if rid not in self._probes]
+
+    @contextlib.contextmanager
+    def probing(self, rid: str) -> Iterator[None]:
+        """Marks ``rid`` as a health probe while the block runs (submit it
+        inside): ``abort_all`` and ``active_rids`` leave it out. Shutting down,
+        or stopping on an error, still ends it."""
+        with self._lock:
+            self._probes.add(rid)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._probes.discard(rid)
 
     def _check_running(self) -> None:
         """Raises unless the engine takes requests (call with ``_lock`` held)."""
@@ -443,15 +462,17 @@ class Engine:
             out = self.core.add(arg)  # a finished delta if it could not be admitted
         elif kind == "abort":
             out = self.core.abort(*arg)
-        else:
-            self._deliver(self._abort_all(arg))
+        else:  # abort_all
+            self._deliver(self._abort_all(arg, spare_probes=True))
             return
         if out is not None:
             self._deliver([out])
 
-    def _abort_all(self, reason: FinishReason) -> list[RequestOutput]:
+    def _abort_all(self, reason: FinishReason, spare_probes: bool = False) -> list[RequestOutput]:
         sched = self.core.scheduler
-        rids = [r.rid for r in [*sched.running, *sched.waiting]]
+        with self._lock:
+            spared = set(self._probes) if spare_probes else set()
+        rids = [r.rid for r in [*sched.running, *sched.waiting] if r.rid not in spared]
         return [o for rid in rids if (o := self.core.abort(rid, reason)) is not None]
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

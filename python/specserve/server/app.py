@@ -54,12 +54,18 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/health_generate", responses=error_responses(503))
     async def health_generate(raw: Request) -> Response:
-        """Healthy only if the engine generates a token within the deadline."""
+        """Healthy only if the engine generates a token within the deadline.
+        The probe is not a client's request: ``abort_all`` leaves it alone."""
         greqs, _ = await ctx.build(input_ids=[[0]], sampling_params={"max_new_tokens": 1})
-        try:
-            await asyncio.wait_for(ctx.collect(greqs, raw), timeout=60)
-        except asyncio.TimeoutError:
-            return _unhealthy("generation timed out")
+        probe = greqs[0].rid
+        with engine.probing(probe):
+            try:
+                [out] = await asyncio.wait_for(ctx.collect(greqs, raw), timeout=60)
+            except asyncio.TimeoutError:
+                return _unhealthy("generation timed out")
+        if out.finish_reason is None or out.finish_reason.type == "abort":
+            why = out.finish_reason.message if out.finish_reason else None
+            return _unhealthy(f"the probe was aborted: {why or 'no reason given'}")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")

@@ -46,12 +46,11 @@ async def generate(body: GenerateReqInput, raw: Request) -> Any:
 @router.post("/abort_request")
 async def abort_request(body: AbortRequestInput, raw: Request) -> dict[str, Any]:
     """SGLang's endpoint: aborts a queued or running request by ``rid`` (the
-    ``rid`` of a ``/generate`` prompt or of an OpenAI request), or all of them."""
+    ``rid`` of a ``/generate`` prompt or of an OpenAI request), or all of them
+    (``abort_all``); answers how many were in flight."""
     ctx: ServerContext = raw.app.state.ctx
-    if body.abort_all:
-        count = len(ctx.engine.active_rids())
-        ctx.engine.abort_all("aborted by /abort_request")
-        return {"aborted": count}
+    if body.abort_all:  # health probes (/health_generate) are left alone
+        return {"aborted": ctx.engine.abort_all("aborted by /abort_request")}
     if not body.rid:
         raise APIError("rid: give the id of the request to abort, or abort_all", "rid")
     return {"aborted": ctx.abort(body.rid)}
