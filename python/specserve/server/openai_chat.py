@@ -46,14 +46,16 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> A
         if not 0 <= top <= cap:
             raise APIError(f"top_logprobs must be in [0, {cap}], got {top}", "top_logprobs")
     ids = await _apply_template(ctx, body)
-    limit = (
-        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    )
+    renames = {**RENAMES, **constraint_renames(body)}
+    limit = body.max_tokens
+    if body.max_completion_tokens is not None:  # the newer name wins, and errors use it
+        limit = body.max_completion_tokens
+        renames["max_new_tokens"] = "max_completion_tokens"
     if limit is None:  # as much as the context and the KV pool leave
         lim = ctx.engine.requests.limits
         limit = max(0, min(lim.context_length, lim.capacity_tokens) - len(ids))
     greqs, _ = await ctx.build(
-        {**RENAMES, **constraint_renames(body)},
+        renames,
         input_ids=ids,
         sampling_params=sampling_dict(body, limit),
         return_logprob=body.logprobs,
