@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from models_zoo import model_path
-from server_harness import running_server
+from server_harness import assert_documented, running_server
 
 LIMITS = (
     "--max-n", "4",
@@ -155,9 +155,18 @@ def assert_error(r: httpx.Response, status: int, param: str | None) -> None:
         assert err["param"] == param, err
 
 
+@pytest.fixture(scope="module")
+def openapi(server) -> dict:
+    return server.http.get("/openapi.json").json()
+
+
 @pytest.mark.parametrize(("path", "body", "status", "param"), HOSTILE)
-def test_hostile_input_is_a_4xx_naming_the_field(server, path, body, status, param) -> None:
-    assert_error(post(server, path, body), status, param)
+def test_hostile_input_is_a_4xx_naming_the_field(
+    server, openapi, path, body, status, param
+) -> None:
+    r = post(server, path, body)
+    assert_error(r, status, param)
+    assert_documented(openapi, "post", path, r)
 
 
 def test_limits_name_their_flags(server) -> None:
@@ -410,11 +419,13 @@ def test_a_request_failing_in_a_step_fails_alone_and_a_device_error_stops_the_se
         model_path("qwen3"), log_dir=str(tmp_path), launch=[sys.executable, str(script)]
     ) as s:
         want = s.http.post("/v1/completions", json=body).json()
+        doc = s.http.get("/openapi.json").json()
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             streams = [pool.submit(streamed_text, s, body) for _ in range(2)]
             r = s.http.post("/v1/completions", json={"prompt": [7, 7, 7, 1], "max_tokens": 4})
             assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
             assert "injected fault" in r.json()["error"]["message"]
+            assert_documented(doc, "post", "/v1/completions", r)
             events = s.http.post(
                 "/v1/completions", json={"prompt": [7, 7, 7, 2], "max_tokens": 4, "stream": True}
             ).text
@@ -425,6 +436,7 @@ def test_a_request_failing_in_a_step_fails_alone_and_a_device_error_stops_the_se
         # A device error: every request ends, and the process exits non-zero.
         r = s.http.post("/v1/completions", json={"prompt": [6, 6, 6], "max_tokens": 4})
         assert r.status_code in (500, 503), r.text
+        assert_documented(doc, "post", "/v1/completions", r)
         assert s.proc.wait(timeout=60) == 1
         assert "the engine stopped" in s.log()
 
