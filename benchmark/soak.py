@@ -92,7 +92,10 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="left out of the RSS figures (default: a quarter of the run, at most 5)",
     )
-    p.add_argument("--clients", type=int, default=6, help="concurrent clients")
+    p.add_argument(
+        "--clients", type=int, default=6, help="concurrent clients (the first 6 start with "
+        "one request of each kind: greedy, sampled, disconnect, abort, bad, misc)",
+    )  # fmt: skip
     p.add_argument("--sample-interval", type=float, default=5.0, help="seconds")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--seed", type=int, default=0)
@@ -462,12 +465,14 @@ class Soak:
     async def client_loop(self, i: int) -> None:
         rng = random.Random(self.args.seed * 1000 + i)
         names, weights = zip(*self.KINDS)
+        # Client i's first request is of kind i: a short run still has each kind.
+        kind = names[i % len(names)]
         while time.monotonic() < self.deadline:
-            kind = rng.choices(names, weights)[0]
             try:
                 await getattr(self, kind)(rng)
             except Exception as e:  # an answer the checks could not even read
                 self.fail("wrong", kind, f"checking it raised {type(e).__name__}: {e}")
+            kind = rng.choices(names, weights)[0]
 
     # --- samples
 
