@@ -146,6 +146,7 @@ class Soak:
         self.deadline = math.inf
         self.phase = "start"
         self.counter = 0
+        self.misc_count = 0
         self.before: dict[str, Any] = {}  # a sample before the references
         self.references_s = self.load_s = self.drain_s = 0.0
         self.idle: dict[str, Any] | None = None  # the stats once idle at the end
@@ -419,8 +420,9 @@ class Soak:
             self.errors["expected_4xx"] += 1
 
     async def misc(self, rng: random.Random) -> None:
-        """/tokenize and /detokenize round trip; /health_generate."""
-        if rng.random() < 0.3:
+        """/tokenize and /detokenize round trip; every third time /health_generate."""
+        self.misc_count += 1
+        if self.misc_count % 3 == 0:
             r = await self.post_get("/health_generate")
             if r is not None:
                 self.ok("health_generate")
