@@ -40,13 +40,21 @@ BATCHES = {
 }
 
 
+@pytest.mark.parametrize("stale", ["zeros", "nan"], ids=["clean-pool", "nan-pool"])
 @pytest.mark.parametrize("in_order", [False, True], ids=["pages-reversed", "pages-in-order"])
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_mixed_batch_matches_dense_attention(dtype, batch, in_order) -> None:
+def test_mixed_batch_matches_dense_attention(dtype, batch, in_order, stale) -> None:
+    """``nan-pool``: every slot no request of the batch wrote holds NaN (what a
+    request whose model went NaN leaves in its freed pages, or in pages it
+    still holds). The padding pages (page 0) and the tails of last pages are
+    among them: no output may see them."""
     g = torch.Generator().manual_seed(0)
     shapes = BATCHES[batch]
     pool = KVPool(1, 64, PS, HKV, D, dtype, "cpu")
+    if stale == "nan":
+        pool.k[0].fill_(float("nan"))
+        pool.v[0].fill_(float("nan"))
     backend = TorchAttentionBackend(pool)
     tables, page = [], 0
     full_k, full_v = [], []

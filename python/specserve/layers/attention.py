@@ -70,12 +70,28 @@ def page_tensor(page_table: list[int], length: int, page_size: int) -> list[int]
     return page_table[: -(-length // page_size)]
 
 
+def past_kv_len(kv_lens: list[int], width: int) -> torch.Tensor:
+    """``[B, width]`` bool, on the host: which slots of a gather of ``width``
+    slots per request lie past the request's ``kv_len`` (the rest of its last
+    page, and the padding pages)."""
+    return torch.arange(width)[None, :] >= torch.tensor(kv_lens)[:, None]
+
+
+def tail_slots(past: torch.Tensor) -> torch.Tensor:
+    """The flat indices of ``past_kv_len``'s slots. Their keys and values are
+    whatever the pool holds there (another request's, a freed one's), so the
+    gather zeroes them: masking alone would let a NaN through (NaN + -inf is
+    NaN, and 0 x NaN is NaN), and one request's NaN would poison another."""
+    return past.flatten().nonzero().flatten()
+
+
 @dataclass
 class _TorchPlan:
     # Requests with one query token, batched: whole pages gathered, tails masked.
     single_rows: torch.Tensor | None  # [Bs] token rows (None: the batch is rows 0..Bs-1)
     single_pages: torch.Tensor | None  # [Bs, P] page ids, padded with page 0
     single_bias: torch.Tensor | None  # [Bs, 1, 1, P * page_size]: 0 or -inf past kv_len
+    single_tail: torch.Tensor | None  # [n] gathered slots past kv_len (``tail_slots``)
     # Requests with several query tokens, one SDPA call each: (first token row,
     # q_len, kv_len, pages to gather or None when nothing was cached before).
     multi: list[tuple[int, int, int, torch.Tensor | None]]
@@ -86,6 +102,7 @@ class _TorchPlan:
     chain_rows: torch.Tensor | None = None  # [n] token rows of the real queries, in order
     chain_pages: torch.Tensor | None = None  # [Bc, P]
     chain_bias: torch.Tensor | None = None  # [Bc, 1, Qmax, P * page_size]: 0 or -inf
+    chain_tail: torch.Tensor | None = None  # [n] gathered slots past kv_len
     # The batch is exactly its chains, all of one length: q and the output are
     # views, no gather or scatter.
     chain_whole: bool = False
@@ -146,18 +163,21 @@ class TorchAttentionBackend(AttentionBackend):
                     pages = upload(table, device)
                 multi.append((row, q_len, kv_len, pages))
             row += q_len
-        single_rows = single_pages = single_bias = None
+        single_rows = single_pages = single_bias = single_tail = None
         if single_ids:
             lens = [meta.kv_lens[i] for i in single_ids]
             tables = [page_tensor(meta.page_tables[i], n, ps) for i, n in zip(single_ids, lens)]
             width = max(len(t) for t in tables)
             padded = [t + [0] * (width - len(t)) for t in tables]
             single_pages = upload(padded, device)
-            past = torch.arange(width * ps)[None, :] >= torch.tensor(lens)[:, None]  # [Bs, P * ps]
+            past = past_kv_len(lens, width * ps)  # [Bs, P * ps]
             single_bias = padding_bias(past, self.kv_pool.dtype, device)[:, None, None, :]
+            single_tail = tail_slots(past).to(device, non_blocking=True)
             if len(single_ids) != len(meta.q_lens):
                 single_rows = torch.tensor([starts[i] for i in single_ids], device=device)
-        plan = _TorchPlan(single_rows, single_pages, single_bias, multi, causal=meta.causal)
+        plan = _TorchPlan(
+            single_rows, single_pages, single_bias, single_tail, multi, causal=meta.causal
+        )
         if chain_ids:
             self._plan_chains(plan, meta, chain_ids, starts)
         meta.plan = plan
@@ -214,14 +234,24 @@ class TorchAttentionBackend(AttentionBackend):
         plan.chain_valid = valid.to(device) if padded else None
         plan.chain_rows = index[valid].to(device)
         plan.chain_pages = pages.to(device)
+        plan.chain_tail = tail_slots(past_kv_len(kv_lens, width * ps)).to(device, non_blocking=True)
         # An additive bias in the queries' dtype, built once for every layer
         # (SDPA would turn a boolean mask into one in each call).
         plan.chain_bias = padding_bias(past, self.kv_pool.dtype, device)[:, None]
 
-    def _gather(self, cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
-        """``[..., P]`` page ids -> ``[..., P * page_size, Hkv, D]`` keys or values."""
+    def _gather(
+        self,
+        cache: torch.Tensor,
+        pages: torch.Tensor,
+        page_size: int,
+        tail: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[..., P]`` page ids -> ``[..., P * page_size, Hkv, D]`` keys or
+        values, the ``tail`` slots (flat, ``tail_slots``) zeroed."""
         paged = cache.view(-1, page_size, *cache.shape[1:])  # [num_pages, ps, Hkv, D]
-        rows = paged.index_select(0, pages.flatten())
+        rows = paged.index_select(0, pages.flatten())  # a copy
+        if tail is not None:
+            rows.view(-1, *cache.shape[1:]).index_fill_(0, tail, 0)
         return rows.view(*pages.shape[:-1], pages.shape[-1] * page_size, *cache.shape[1:])
 
     def forward(
@@ -234,7 +264,7 @@ class TorchAttentionBackend(AttentionBackend):
         if isinstance(plan, _LonePlan):
             if plan.pages is None:
                 keys, values = k_cache[plan.start : plan.stop], v_cache[plan.start : plan.stop]
-            else:
+            else:  # cut to kv_len: nothing past it is read
                 keys = self._gather(k_cache, plan.pages, meta.page_size)[: plan.stop]
                 values = self._gather(v_cache, plan.pages, meta.page_size)[: plan.stop]
             if q.shape[0] == 1:
@@ -250,8 +280,8 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         if plan.single_pages is not None:
             qs = q if plan.single_rows is None else q[plan.single_rows]  # [Bs, H, D]
-            ks = self._gather(k_cache, plan.single_pages, ps)  # [Bs, L, Hkv, D]
-            vs = self._gather(v_cache, plan.single_pages, ps)
+            ks = self._gather(k_cache, plan.single_pages, ps, plan.single_tail)  # [Bs, L, Hkv, D]
+            vs = self._gather(v_cache, plan.single_pages, ps, plan.single_tail)
             o = _decode_attention(qs, ks, vs, plan.single_bias)  # [Bs, H, D]
             if plan.single_rows is None:
                 out = o
@@ -261,8 +291,8 @@ class TorchAttentionBackend(AttentionBackend):
             bc = plan.chain_pages.shape[0]
             whole = plan.chain_whole
             qc = q.view(bc, -1, *q.shape[1:]) if whole else q[plan.chain_index]  # [Bc, Qmax, H, D]
-            kc = self._gather(k_cache, plan.chain_pages, ps)  # [Bc, L, Hkv, D]
-            vc = self._gather(v_cache, plan.chain_pages, ps)
+            kc = self._gather(k_cache, plan.chain_pages, ps, plan.chain_tail)  # [Bc, L, Hkv, D]
+            vc = self._gather(v_cache, plan.chain_pages, ps, plan.chain_tail)
             kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)  # [Bc, Hkv, L, D]
             o = F.scaled_dot_product_attention(
                 qc.transpose(1, 2), kc, vc, attn_mask=plan.chain_bias, enable_gqa=gqa
@@ -281,10 +311,11 @@ class TorchAttentionBackend(AttentionBackend):
                     qm, km, vm, is_causal=plan.causal, enable_gqa=gqa
                 )
             else:
-                km = self._gather(k_cache, pages, ps).transpose(0, 1)[None]  # [1, Hkv, P * ps, D]
-                vm = self._gather(v_cache, pages, ps).transpose(0, 1)[None]
-                # Bottom-right aligned causal mask: query i sits at kv_len - q_len + i;
-                # the gathered tail past kv_len is masked by the same test.
+                # Cut to kv_len: what the pool holds past it is never read.
+                km = self._gather(k_cache, pages, ps)[:kv_len].transpose(0, 1)[None]
+                vm = self._gather(v_cache, pages, ps)[:kv_len].transpose(0, 1)[None]
+                # [1, Hkv, kv_len, D]. Bottom-right aligned causal mask: query
+                # i sits at kv_len - q_len + i.
                 qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)
                 if not plan.causal:
                     qpos = qpos.clamp(min=kv_len - 1)

@@ -361,5 +361,9 @@ class CompressedAttentionBackend:
                 keys = torch.cat([keys, pool[slots]], dim=1)  # [t, W + N, D]
                 hidden = torch.zeros(valid.shape, device=valid.device)
                 bias = torch.cat([bias, hidden.masked_fill_(~valid, float("-inf"))], dim=1)
+            # A masked slot holds another request's keys, or a freed page's:
+            # zeroed (the gather is a copy), since a masked NaN would still
+            # poison the softmax (NaN + -inf) and the sum (0 x NaN).
+            keys.masked_fill_((bias == float("-inf"))[..., None], 0)
             out.append(sink_attention(q[rows], keys.to(q.dtype), bias, sinks, scale))
         return torch.cat(out)
