@@ -283,6 +283,34 @@ def test_abort_frees_pages_of_running_and_queued_requests() -> None:
         eng.shutdown()
 
 
+def test_a_drafters_pages_count_among_the_engines_pages(tmp_path) -> None:
+    """The free and total pages the engine reports (``/get_server_info``,
+    the idle checks) include the DSpark drafter's own KV pool: a draft page
+    left allocated shows."""
+    from specserve.tools.tiny_model import make_tiny_dspark
+
+    target = model_path("qwen3")
+    drafter = make_tiny_dspark(str(tmp_path / "dspark"), target, block_size=4)
+    eng = Engine(
+        model_path=target, device="cpu", max_total_tokens=512, page_size=4,
+        speculative_algorithm="DSPARK", speculative_draft_model_path=drafter,
+    )  # fmt: skip
+    try:
+        (pool,) = eng.proposer.pools
+        assert eng.total_pages() == eng.core.block_pool.total_pages() + pool.total_pages()
+        out = eng.generate(
+            input_ids=random_prompts(1, [9], seed=3)[0],
+            sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+        )
+        assert out["meta_info"]["spec_verify_ct"] > 0 and pool.free_pages() == pool.total_pages()
+        leaked = pool.allocate(1)
+        stats = eng.stats()
+        assert stats["free_pages"] == stats["total_pages"] - 1 == eng.total_pages() - 1
+        pool.release(leaked)
+    finally:
+        eng.shutdown()
+
+
 def test_stop_string_across_token_boundary_and_stop_tokens(engine: Engine) -> None:
     tok = engine.tokenizer
     p = random_prompts(1, [6], seed=19)[0]

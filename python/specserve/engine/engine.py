@@ -169,7 +169,8 @@ class Engine:
     # ---- introspection ------------------------------------------------------
 
     def free_pages(self) -> int:
-        """Free KV pages, over every cache group (DeepSeek-V4's entry pools too)."""
+        """Free KV pages, over every cache group (DeepSeek-V4's entry pools too)
+        and the drafter's own pool."""
         return sum(pool.free_pages() for pool in self.core.pools)
 
     def total_pages(self) -> int:

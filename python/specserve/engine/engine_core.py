@@ -191,8 +191,10 @@ class EngineCore:
 
     @property
     def pools(self) -> list[BlockPool]:
-        """The page allocator of every cache group, group 0 first."""
-        return [self.block_pool] + [pool for pool, _ in self.entry_pools]
+        """The page allocator of every cache group, group 0 first, then the
+        proposer's own (a drafter's KV pages)."""
+        drafter = self.spec.proposer.pools if self.spec is not None else []
+        return [self.block_pool] + [pool for pool, _ in self.entry_pools] + drafter
 
     @property
     def capacity_tokens(self) -> int:

@@ -18,6 +18,7 @@ import torch
 from specserve.core import Req
 
 if TYPE_CHECKING:  # the proposer interface imports no stage at run time
+    from specserve.cache.block_pool import BlockPool
     from specserve.runner.model_runner import ModelRunner
 
 
@@ -54,6 +55,12 @@ class Proposer(ABC):
     def release(self, req: Req) -> None:
         """Drops the request's draft state (finished, aborted or preempted)."""
         req.draft_state = None
+
+    @property
+    def pools(self) -> list[BlockPool]:
+        """The page allocators of the proposer's own caches (a drafter's KV),
+        counted with the target's in the engine's free and total pages."""
+        return []
 
     def profile(self, runner: ModelRunner) -> None:  # noqa: B027
         """Start-up measurements over the target's forwards as they will run

@@ -182,6 +182,10 @@ class DSparkProposer(Proposer):
             self.block_pool.release([p for p in st.pages if p >= 0])
         req.draft_state = None
 
+    @property
+    def pools(self) -> list[BlockPool]:
+        return [self.block_pool]
+
     def _pending(
         self, reqs: Sequence[Req]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

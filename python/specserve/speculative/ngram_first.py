@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specserve.cache.block_pool import BlockPool
 from specserve.core import Req
 from specserve.speculative.base import DraftProposal, Proposer
 from specserve.speculative.ngram import NgramProposer
@@ -52,6 +53,10 @@ class NgramFirstProposer(Proposer):
 
     def release(self, req: Req) -> None:
         self.drafter.release(req)
+
+    @property
+    def pools(self) -> list[BlockPool]:
+        return self.drafter.pools
 
     def capture_graphs(self, runner) -> None:
         self.drafter.capture_graphs(runner)
