@@ -143,6 +143,45 @@ def test_serving_linears_run_packed_and_equal_f_linear(monkeypatch, path, dtype,
     assert not calls, "a matmul that records gradients must not take the packed path"
 
 
+@pytest.mark.skipif(not linear_mod.onednn_packs(torch.float32), reason="oneDNN packs nothing here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_matmuls_run_at_a_few_row_counts_and_give_the_same_values(
+    monkeypatch, dtype
+) -> None:
+    """oneDNN keeps a kernel per row count it meets: a packed matmul runs its
+    rows as they come up to EXACT_ROWS, else padded to a bucket (in blocks
+    past the largest), and each row's result is bit for bit the one a call
+    of exactly its rows gives."""
+    if not linear_mod.onednn_packs(dtype):
+        pytest.skip(f"this CPU's oneDNN cannot pack {dtype} weights")
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(96, 64, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    real = torch.ops.mkldnn._linear_pointwise
+    seen: list[int] = []
+
+    def counted(x, *args):
+        seen.append(x.numel() // x.shape[-1])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", counted)
+    allowed = set(range(1, linear_mod.EXACT_ROWS + 1)) | set(linear_mod.ROW_BUCKETS)
+    largest = linear_mod.ROW_BUCKETS[-1]
+    with torch.inference_mode():
+        for rows in (1, 7, 16, 17, 33, 100, 257, largest, largest + 5, 2 * largest + 300):
+            x = torch.randn(rows, 64, generator=g).to(dtype)
+            seen.clear()
+            got = linear_mod.packed_linear(x, packed, b)
+            assert seen and set(seen) <= allowed, (rows, seen)
+            assert len(seen) == -(-rows // largest)  # blocks only past the largest
+            want = real(x, packed, b, "none", [], "")
+            assert got.shape == want.shape and torch.equal(got, want), rows
+        blocks = torch.randn(3, 7, 64, generator=g).to(dtype)  # [blocks, rows, in]: 21 rows
+        got = linear_mod.packed_linear(blocks, packed, b)
+        assert got.shape == (3, 7, 96) and torch.equal(got, real(blocks, packed, b, "none", [], ""))
+
+
 def test_small_weights_stay_on_f_linear(monkeypatch) -> None:
     """Below PACK_MIN_ELEMENTS oneDNN's fixed cost outweighs the matmul:
     nothing is packed, and serving multiplies by the weight itself."""

@@ -100,12 +100,55 @@ def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+# oneDNN builds and caches a JIT-compiled kernel, about 0.5 MB, for every
+# (row count, weight shape) it multiplies, in two caches of 1,024 entries
+# each: a server meeting every row count a step can have (decode rows,
+# verify chains, prefill chunks) grew by hundreds of MB before they filled.
+# A packed matmul therefore runs at a few row counts only: up to
+# ``EXACT_ROWS`` as it comes (decode batches, verify chains: the hot path,
+# untouched), else its rows padded up to the next of ``ROW_BUCKETS`` (four
+# per octave: at most a quarter more rows, an eighth on average), a longer
+# call in blocks of the largest. oneDNN computes every row alone (a row's
+# result does not depend on the rows beside it; tested), so neither the
+# padding nor the blocks change a value. 48 row counts per weight shape.
+EXACT_ROWS = 16
+ROW_BUCKETS = tuple(
+    EXACT_ROWS * 2**octave * (4 + i) // 4 for octave in range(8) for i in range(1, 5)
+)  # 20, 24, 28, 32, 40, ..., 3584, 4096
+
+
 def packed_linear(
     x: torch.Tensor,  # [..., in]
     packed: torch.Tensor,  # PackedWeight.get's
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [..., out]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if m <= EXACT_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    flat = x.reshape(m, x.shape[-1])
+    block = ROW_BUCKETS[-1]
+    parts = [_bucketed(flat[i : i + block], packed, bias) for i in range(0, m, block)]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)  # [m, out]
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a packed matmul of ``rows`` rows (at most the largest
+    bucket) runs at."""
+    if rows <= EXACT_ROWS:
+        return rows
+    return next(b for b in ROW_BUCKETS if b >= rows)
+
+
+def _bucketed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [m, in]`` (m at most the largest bucket) times the packed weight,
+    run at ``row_bucket(m)`` rows."""
+    m = x.shape[0]
+    pad = row_bucket(m) - m
+    out = torch.ops.mkldnn._linear_pointwise(
+        F.pad(x, (0, 0, 0, pad)) if pad else x, packed, bias, "none", [], ""
+    )
+    return out[:m] if pad else out
 
 
 def linear(
