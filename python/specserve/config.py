@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -237,6 +238,9 @@ class LimitsConfig:
     max_stop_strings: int = 32
     max_stop_length: int = 256  # characters of one stop string
     max_token_ids_logprob: int = 256  # ids of token_ids_logprob
+    # Characters of a grammar's text (a JSON schema, regex or EBNF): several
+    # times the largest schemas in common use, small enough to parse at once.
+    max_grammar_length: int = 131072
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -351,6 +355,14 @@ class EngineConfig:
     # None: triton on CUDA, torch_native elsewhere.
     attention_backend: str | None = None
     grammar_backend: str = "xgrammar"  # or "none"
+    # Seconds one new grammar may compile (in a worker process, killed past
+    # it): typical schemas take milliseconds, a schema with hundreds of
+    # optional properties seconds on a large vocabulary; a pathological one
+    # holds a core for at most this long.
+    grammar_compile_timeout: float = 30.0
+    # MiB one grammar's compile may allocate (its worker's address-space
+    # limit; Linux); None: no limit.
+    grammar_compile_max_memory: int | None = 4096
     # torch.compile the target layers' dense parts (off: on this project's CPUs
     # eager is faster, see docs/benchmarks.md).
     enable_torch_compile: bool = False
@@ -387,6 +399,12 @@ class EngineConfig:
             raise ValueError(
                 f"grammar_backend must be xgrammar or none, got {self.grammar_backend!r}"
             )
+        t = self.grammar_compile_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+            raise ValueError(f"grammar_compile_timeout must be a number of seconds > 0, got {t!r}")
+        mem = self.grammar_compile_max_memory
+        if mem is not None and (isinstance(mem, bool) or not isinstance(mem, int) or mem < 1):
+            raise ValueError(f"grammar_compile_max_memory must be an integer >= 1, got {mem!r}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.context_length is not None and self.context_length < 1:

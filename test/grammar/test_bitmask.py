@@ -32,8 +32,10 @@ def tok() -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def backend(tok: Tokenizer) -> XGrammarBackend:
-    return XGrammarBackend(tok.hf, V, [EOS])
+def backend(tok: Tokenizer):
+    b = XGrammarBackend(tok.hf, V, [EOS])
+    yield b
+    b.close()
 
 
 @pytest.fixture(scope="module")

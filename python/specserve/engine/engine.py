@@ -185,13 +185,19 @@ class Engine:
         if self.config.grammar_backend == "none":
             return None
         with self._grammar_lock:
+            if self._stopped:  # shutdown closed it; no worker may start after
+                raise EngineStopped("the engine has been shut down")
             if self._grammar is None:
                 try:
                     from specserve.grammar.xgrammar_backend import XGrammarBackend
                 except ImportError:
                     raise ValueError("grammar_backend: xgrammar is not installed") from None
                 self._grammar = XGrammarBackend(
-                    self.tokenizer.hf, self.runner.vocab_size, sorted(self.eos_ids)
+                    self.tokenizer.hf,
+                    self.runner.vocab_size,
+                    sorted(self.eos_ids),
+                    self.config.grammar_compile_timeout,
+                    self.config.grammar_compile_max_memory,
                 )
             return self._grammar
 
@@ -507,6 +513,9 @@ class Engine:
             self._deliver(
                 self._abort_all(FinishReason("abort", message="the engine was shut down"))
             )
+        with self._grammar_lock:
+            if self._grammar is not None:
+                self._grammar.close()  # its compile workers
 
     def _pump_commands_only(self) -> None:
         while True:

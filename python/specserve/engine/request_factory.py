@@ -234,6 +234,12 @@ class RequestFactory:
                 raise ValueError(
                     f"{spec.field}: constrained decoding is disabled (grammar backend none)"
                 )
-            compiled = backend.compile(spec)  # compiled before admission, off the engine loop
+            if len(spec.text) > cap.max_grammar_length:
+                raise ValueError(
+                    f"{spec.field}: the grammar is {len(spec.text)} characters, over the limit "
+                    f"of {cap.max_grammar_length} (--max-grammar-length)"
+                )
+            # Before admission, off the engine loop, within --grammar-compile-timeout.
+            compiled = backend.compile(spec)
         opts = LogprobOptions(return_logprob, start, top_logprobs_num, tid, bool(return_text))
         return GenerateRequest(ids, sp, opts, rid or uuid.uuid4().hex, compiled)

@@ -58,3 +58,7 @@ class GrammarBackend(ABC):
     @abstractmethod
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of ``compiled``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stops what the backend runs besides this process (its workers)."""

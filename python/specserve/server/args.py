@@ -104,6 +104,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="xgrammar",
         help="backend for JSON-schema / regex / EBNF constrained output",
     )
+    g.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=EngineConfig.grammar_compile_timeout,
+        metavar="SECONDS",
+        help="longest a new grammar may compile (in a worker process, killed past it); "
+        "a request over it gets a 400",
+    )
+    g.add_argument(
+        "--grammar-compile-max-memory",
+        type=int,
+        default=EngineConfig.grammar_compile_max_memory,
+        metavar="MIB",
+        help="most memory one grammar's compile may allocate (Linux); a request over it gets a 400",
+    )
     c = parser.add_argument_group("KV cache")
     c.add_argument(
         "--page-size", type=int, default=CacheConfig.page_size, help="tokens per KV page"
@@ -138,6 +153,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             "max_token_ids_logprob",
             LimitsConfig.max_token_ids_logprob,
             "most token ids in token_ids_logprob",
+        ),
+        (
+            "max_grammar_length",
+            LimitsConfig.max_grammar_length,
+            "most characters of a JSON schema, regex or EBNF grammar",
         ),
     ):
         lim.add_argument(

@@ -112,6 +112,8 @@ class ServerContext:
             self.engine.check_new_rids(greqs)
         except ValueError as e:
             raise from_value_error(e, renames) from None
+        except EngineStopped as e:  # shut down while the request was built
+            raise APIError(str(e), None, 503, "server_error") from None
         taken = next((g.rid for g in greqs if self._live(self.groups.get(g.rid, ()))), None)
         if taken is not None:
             raise APIError(f"rid: {taken!r} is already in use", "rid")
