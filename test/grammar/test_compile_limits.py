@@ -18,11 +18,12 @@ import time
 import pytest
 
 from models_zoo import model_path
+from process_helpers import HAS_PROC, alive, children, wait_busy, wait_exited
 from specserve import Engine
 from specserve.grammar.base import GrammarSpec
 
 pytest.importorskip("xgrammar")
-pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc (Linux)")
+pytestmark = pytest.mark.skipif(not HAS_PROC, reason="reads /proc (Linux)")
 
 TIMEOUT = 2.0
 MAX_LENGTH = 20_000
@@ -40,55 +41,6 @@ def padded_schema(length: int) -> str:
     """A JSON schema of exactly ``length`` characters that accepts ``"ok"``."""
     pad = length - len(json.dumps({"const": "ok", "description": ""}))
     return json.dumps({"const": "ok", "description": "d" * pad})
-
-
-def alive(pid: int) -> bool:
-    """The process exists (a zombie too: a killed worker must be reaped)."""
-    return os.path.exists(f"/proc/{pid}")
-
-
-def children(pid: int) -> set[int]:
-    """Every live process whose parent is ``pid``."""
-    kids = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:  # gone meanwhile
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.add(int(entry))
-    return kids
-
-
-def cpu_ticks(pid: int) -> int:
-    """User + system time of ``pid`` in clock ticks."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
-def wait_dead(pid: int, timeout: float = 30.0) -> None:
-    """Polls until ``pid`` has exited (a zombie: its parent has not reaped it)."""
-    deadline = time.monotonic() + timeout
-    while alive(pid):
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                return
-        assert time.monotonic() < deadline, f"{pid} did not exit"
-        time.sleep(0.01)
-
-
-def wait_busy(pid: int, waiting, ticks: int = 5, timeout: float = 60.0) -> None:
-    """Polls until worker ``pid`` has run ``ticks`` more clock ticks while
-    ``waiting()`` (its caller waits for it: it is compiling)."""
-    start = cpu_ticks(pid)
-    deadline = time.monotonic() + timeout
-    while cpu_ticks(pid) - start < ticks:
-        assert waiting(), "the caller ended before its compile got going"
-        assert time.monotonic() < deadline, f"worker {pid} never got busy"
-        time.sleep(0.02)
 
 
 class Call(threading.Thread):
@@ -204,7 +156,7 @@ def test_a_worker_killed_while_idle_is_replaced(engine) -> None:
     engine.generate("x", {"regex": "[xy]", "max_new_tokens": 2})
     (worker,) = backend.pool.worker_pids()
     os.kill(worker, signal.SIGKILL)
-    wait_dead(worker)
+    wait_exited(worker)
     out = engine.generate("x", {"regex": "[0-9]{2}", "max_new_tokens": 4})
     assert re.fullmatch("[0-9]{2}", out["text"]), out
     (fresh,) = backend.pool.worker_pids()
@@ -263,7 +215,7 @@ backend.compile(GrammarSpec("json_schema", sys.stdin.readline()))
     finally:
         parent.kill()  # no shutdown, no finaliser: only the worker's watchdog is left
         parent.wait()
-    wait_dead(worker)
+    wait_exited(worker)
 
 
 def test_a_compile_over_its_memory_limit_is_a_400_naming_the_field() -> None:

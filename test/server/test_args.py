@@ -71,3 +71,32 @@ def test_ngram_first_flag_reaches_the_spec_config(tmp_path) -> None:
     for extra, want in (([], False), (["--speculative-ngram-first"], True)):
         kwargs = engine_kwargs(parsed(*base, *extra))
         assert EngineConfig.from_kwargs(str(tmp_path), **kwargs).spec.ngram_first is want
+
+
+def test_grammar_limit_flags_reach_the_engine_config(tmp_path) -> None:
+    from specserve.config import EngineConfig, LimitsConfig
+    from specserve.server.args import engine_kwargs
+
+    def config(*flags: str) -> EngineConfig:
+        kwargs = engine_kwargs(parsed("serve", "--model-path", str(tmp_path), *flags))
+        return EngineConfig.from_kwargs(str(tmp_path), **kwargs)
+
+    default = config()
+    assert (default.grammar_compile_timeout, default.grammar_compile_max_memory) == (30.0, 4096)
+    assert default.limits.max_grammar_length == LimitsConfig().max_grammar_length == 131072
+    cfg = config(
+        "--grammar-compile-timeout", "2.5",
+        "--grammar-compile-max-memory", "512",
+        "--max-grammar-length", "100",
+    )  # fmt: skip
+    assert (cfg.grammar_compile_timeout, cfg.grammar_compile_max_memory) == (2.5, 512)
+    assert cfg.limits.max_grammar_length == 100
+    for flags, message in (
+        (("--grammar-compile-timeout", "0"), "grammar_compile_timeout must be"),
+        (("--grammar-compile-timeout", "nan"), "grammar_compile_timeout must be"),
+        (("--grammar-compile-timeout", "inf"), "grammar_compile_timeout must be"),
+        (("--grammar-compile-max-memory", "0"), "grammar_compile_max_memory must be"),
+        (("--max-grammar-length", "0"), "max_grammar_length must be"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            config(*flags)

@@ -8,7 +8,6 @@ the server."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
@@ -17,10 +16,11 @@ import httpx
 import pytest
 
 from models_zoo import model_path
+from process_helpers import HAS_PROC, alive, children, wait_busy
 from server_harness import running_server
 
 pytest.importorskip("xgrammar")
-pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc (Linux)")
+pytestmark = pytest.mark.skipif(not HAS_PROC, reason="reads /proc (Linux)")
 
 TIMEOUT = 3.0
 MAX_LENGTH = 30_000
@@ -32,31 +32,6 @@ INNOCENT = [
     {"prompt": "plain", "max_tokens": 16, "temperature": 0, "ignore_eos": True},
     {"prompt": "word", "max_tokens": 16, "temperature": 0, "regex": "[a-z]{1,8}( [a-z]{1,8}){2}"},
 ]
-
-
-def alive(pid: int) -> bool:
-    return os.path.exists(f"/proc/{pid}")
-
-
-def children(pid: int) -> set[int]:
-    """Every live process whose parent is ``pid``."""
-    kids = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:  # gone meanwhile
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.add(int(entry))
-    return kids
-
-
-def cpu_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +105,7 @@ def test_an_exploding_schema_times_out_beside_innocent_streams(server) -> None:
     start = time.monotonic()
     exploding = threading.Thread(target=explode, daemon=True)
     exploding.start()
-    ticks, deadline = cpu_ticks(worker), start + 60
-    while cpu_ticks(worker) - ticks < 5:  # its worker is compiling
-        assert exploding.is_alive() and time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_busy(worker, exploding.is_alive)  # its worker is compiling
     results: list = [None] * len(INNOCENT)
     first = [threading.Event() for _ in INNOCENT]
 
