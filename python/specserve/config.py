@@ -356,9 +356,9 @@ class EngineConfig:
     attention_backend: str | None = None
     grammar_backend: str = "xgrammar"  # or "none"
     # Seconds one new grammar may compile (in a worker process, killed past
-    # it): typical schemas take milliseconds, a schema with hundreds of
-    # optional properties seconds on a large vocabulary; a pathological one
-    # holds a core for at most this long.
+    # it): typical schemas take milliseconds, one with 400 optional
+    # properties ~4 s on an 8192-token vocabulary (more on larger ones); a
+    # pathological one holds a core for at most this long.
     grammar_compile_timeout: float = 30.0
     # MiB one grammar's compile may allocate (its worker's address-space
     # limit; Linux); None: no limit.
