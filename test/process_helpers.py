@@ -25,9 +25,13 @@ def alive(pid: int) -> bool:
 
 
 def exited(pid: int) -> bool:
-    """Gone, or a zombie (whoever adopted it may not have reaped it yet)."""
-    fields = _stat(pid)
-    return fields is None or fields[0] == "Z"
+    """Our child: ready to be reaped (every thread gone). Another process:
+    gone, or a zombie (whoever adopted it may not have reaped it yet)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        fields = _stat(pid)
+        return fields is None or fields[0] == "Z"
 
 
 def children(pid: int) -> set[int]:

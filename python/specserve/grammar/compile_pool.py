@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 # Seconds a fresh worker may take to import xgrammar and answer ready.
 START_TIMEOUT = 120.0
 # Run as a script in isolated mode: no import of the specserve package (the
-# engine, torch's kernels) and nothing from the caller's directory.
+# engine, torch's kernels), nothing from the caller's directory; it imports
+# xgrammar from the caller's sys.path.
 _WORKER = [sys.executable, "-I", os.path.join(os.path.dirname(__file__), "compile_worker.py")]
 
 
@@ -85,7 +86,7 @@ class _Worker:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """Kills and reaps (no zombie); closes its pipes."""
+    """Kills and reaps (no zombie); closes its pipes (only their user may)."""
     if proc.poll() is None:
         proc.kill()
     proc.wait()
@@ -95,11 +96,14 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def _kill_all(procs: list[subprocess.Popen], lock: threading.Condition) -> None:
+    """Kills and reaps every worker. Their pipes stay open: a busy worker's
+    caller may be waiting on them (it sees end-of-file and drops the worker)."""
     with lock:
         doomed = list(procs)
-        procs.clear()
     for proc in doomed:
-        _kill(proc)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
 
 class CompilePool:
@@ -113,7 +117,11 @@ class CompilePool:
         """``tokenizer_info``: ``xgrammar.TokenizerInfo.serialize_json()``;
         ``timeout``: seconds one compile may take; ``max_memory_mb``: what it
         may allocate (None: no limit)."""
-        self._hello = {"tokenizer_info": tokenizer_info, "max_memory_mb": max_memory_mb}
+        self._hello = {
+            "sys_path": [p for p in sys.path if p],  # not "" (the caller's directory)
+            "tokenizer_info": tokenizer_info,
+            "max_memory_mb": max_memory_mb,
+        }
         self.timeout = timeout
         self.max_memory_mb = max_memory_mb
         self._max_workers = max_workers
@@ -171,12 +179,14 @@ class CompilePool:
             self._release(worker, healthy)
 
     def close(self) -> None:
-        """Kills every worker; later checks raise ``RuntimeError``."""
+        """Kills every worker; a check in flight and later ones raise ``RuntimeError``."""
         with self._cond:
             self._closed = True
-            self._idle.clear()
+            idle, self._idle = self._idle, []
             self._cond.notify_all()
         self._finalizer()
+        for worker in idle:
+            self._drop(worker)
 
     # ---- workers ------------------------------------------------------------
 

@@ -9,8 +9,9 @@ The worker (``python -I compile_worker.py PARENT_PID``: run as a script, it
 imports xgrammar and the standard library only) reads JSON lines on stdin
 and answers JSON lines on its stdout:
 
-- first ``{"tokenizer_info": <TokenizerInfo.serialize_json()>, "max_memory_mb":
-  int | null}``, answered ``{"ready": true}``;
+- first ``{"sys_path": <the parent's sys.path>, "tokenizer_info":
+  <TokenizerInfo.serialize_json()>, "max_memory_mb": int | null}``, answered
+  ``{"ready": true}``;
 - then ``{"kind", "text"}`` per grammar, answered ``{"ok": true, "seconds"}``,
   ``{"error": "compile", "message"}`` or ``{"error": "memory"}``.
 
@@ -107,9 +108,12 @@ def main(argv: list[str]) -> None:
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     threading.Thread(target=_watch_parent, args=(int(argv[0]),), daemon=True).start()
+    hello = json.loads(sys.stdin.readline())
+    # What the parent imports from (its site-packages, user site, PYTHONPATH),
+    # which isolated mode left out.
+    sys.path[:0] = [p for p in hello["sys_path"] if p not in sys.path]
     import xgrammar as xgr
 
-    hello = json.loads(sys.stdin.readline())
     info = xgr.TokenizerInfo.deserialize_json(hello["tokenizer_info"])
     # One thread: a compile takes at most one core.
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
