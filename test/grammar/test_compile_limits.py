@@ -237,3 +237,19 @@ def test_a_compile_over_its_memory_limit_is_a_400_naming_the_field() -> None:
         assert not alive(worker) and backend.pool.worker_pids() == []
     finally:
         backend.close()
+
+
+def test_a_worker_that_cannot_start_is_an_internal_error(monkeypatch) -> None:
+    from specserve.grammar import compile_pool
+
+    monkeypatch.setattr(compile_pool, "_WORKER", [sys.executable, "-c", "raise SystemExit(3)"])
+    pool = compile_pool.CompilePool("{}", timeout=5, max_memory_mb=None, max_workers=2)
+    try:
+        for _ in range(3):  # each check tries a fresh worker: no slot is lost
+            call = Call(lambda: pool.check(GrammarSpec("regex", "a")))
+            call.join(timeout=60)
+            assert isinstance(call.error, RuntimeError), (call.result, call.error)
+            assert re.search("did not start .*exit status 3", str(call.error)), call.error
+            assert pool.worker_pids() == []
+    finally:
+        pool.close()
