@@ -37,6 +37,7 @@ POISON = {
     ),
 }
 NOT_FINITE = "the model's logits at this position are not finite"
+ALL_MINUS_INF = "the model's logits at this position are all -inf"
 NOTHING_POSSIBLE = "no token is possible at this position"
 LOGPROBS = {"return_logprob": True, "top_logprobs_num": 2}
 
@@ -87,10 +88,13 @@ def check_innocents(eng: Engine, outs: dict[str, dict], solo: dict[str, dict]) -
     assert again["meta_info"]["completion_tokens"] == 2
 
 
-def check_failed(out: dict, message: str) -> None:
+def check_failed(out: dict, message: str, internal: bool = True) -> None:
+    """Aborted with ``message``: an internal error (a 500 over HTTP), or,
+    when not ``internal``, the request's own doing (a 400)."""
     reason = out["meta_info"]["finish_reason"]
     assert reason["type"] == "abort", reason
-    assert reason["message"].startswith("internal error") and message in reason["message"]
+    assert reason["message"].startswith("internal error") == internal, reason
+    assert message in reason["message"], reason
 
 
 # What a poisoned request's rows get, for the greedy one and the sampled one.
@@ -129,7 +133,7 @@ def test_a_poisoned_row_fails_only_its_request(setup, monkeypatch, kind, after_t
     outs = run_batch(eng, POISON)
     for rid in POISON:
         out = outs[rid]
-        check_failed(out, NOTHING_POSSIBLE if kind == "-inf" else NOT_FINITE)
+        check_failed(out, ALL_MINUS_INF if kind == "-inf" else NOT_FINITE)
         # Nothing from a poisoned row was committed: what it has is its clean run's start.
         ids, clean = out["output_ids"], solo[rid]["output_ids"]
         assert after_tokens <= len(ids) < len(clean) and ids == clean[: len(ids)], (ids, clean)
@@ -140,12 +144,13 @@ def test_a_poisoned_row_fails_only_its_request(setup, monkeypatch, kind, after_t
 
 def test_constraints_that_exclude_every_token_fail_alone(setup) -> None:
     """A valid request whose stop ids, held back by min_new_tokens, are the
-    whole vocabulary: nothing is possible, not a silent token 0."""
+    whole vocabulary: nothing is possible, not a silent token 0, and it is
+    the request's own doing (a 400, not an internal error)."""
     eng, solo = setup
     every = list(range(eng.core.runner.vocab_size))
     sp = {"max_new_tokens": 4, "min_new_tokens": 2, "stop_token_ids": every}
     outs = run_batch(eng, {"boxed-in": ("a", sp)})
-    check_failed(outs["boxed-in"], NOTHING_POSSIBLE)
+    check_failed(outs["boxed-in"], NOTHING_POSSIBLE, internal=False)
     assert outs["boxed-in"]["output_ids"] == []
     check_innocents(eng, outs, solo)
 

@@ -28,7 +28,6 @@ from specserve.runner.model_runner import ForwardOutput, ModelRunner
 from specserve.sampling.logprobs import TokenLogprob
 from specserve.sampling.metadata import (
     StepRows,
-    UnusableLogits,
     processed_logits,
     row_peaks,
     step_rows,
@@ -82,7 +81,7 @@ class _Computed:
     fwd: ForwardOutput
     runs: list[RunCommit | None]
     scores: list[StepScores]
-    unusable: list[str | None]
+    unusable: list[Exception | None]
 
 
 def is_fatal(error: BaseException) -> bool:
@@ -284,7 +283,7 @@ class EngineCore:
         run_tensors = [t for g in pending for t in g.tensors()]
         host = self.staging.fetch([*run_tensors, peaks, *scores.tensors()])
         by_step: list[RunCommit | None] = [None] * len(batch.steps)
-        unusable: list[str | None] = [None] * len(batch.steps)
+        unusable: list[Exception | None] = [None] * len(batch.steps)
         candidates: list[int] = []
         for k, group in enumerate(pending):
             tokens, accept = host[2 * k], host[2 * k + 1]
@@ -308,7 +307,7 @@ class EngineCore:
             req, fed = step.req, len(entry.token_ids)
             try:
                 if unusable is not None:
-                    raise UnusableLogits(unusable)
+                    raise unusable
                 req.num_computed = entry.prefix_len + fed  # the fed tokens' K/V are cached
                 before = len(req.output_ids)
                 self.output_processor.commit(step, run, scores)

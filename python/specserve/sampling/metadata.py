@@ -61,24 +61,36 @@ class StepRows:
     spans: dict[int, range]  # batch step -> its rows in the metadata
     metadata: SamplingMetadata
 
-    def unusable(self, step: int, used: int, peaks: Sequence[float]) -> str | None:
+    def unusable(self, step: int, used: int, peaks: Sequence[float]) -> Exception | None:
         """Why a token of ``step`` came from no distribution, or None: the
         first of its first ``used`` rows (those its committed tokens were drawn
-        or verified from) whose peak (``row_peaks``, fetched) is not finite."""
+        or verified from) whose peak (``row_peaks``, fetched) is not finite.
+        A row that only the request's own constraints emptied (its grammar,
+        its stop ids held back by min_new_tokens) is its own doing; anything
+        else (NaN, inf, a row the model made all -inf) is the model's."""
         for k in self.spans[step][:used]:
             peak = peaks[k]
             if math.isnan(peak) or peak == math.inf:
-                return "the model's logits at this position are not finite (NaN or inf)"
-            if peak == -math.inf:
-                return (
-                    "no token is possible at this position: every logit is -inf after the "
-                    "logit bias, penalties, min_new_tokens stop suppression and grammar mask"
+                return UnusableLogits(
+                    "the model's logits at this position are not finite (NaN or inf)"
                 )
+            if peak == -math.inf:
+                grammar = self.metadata.grammar
+                if self.metadata.controls[k].holds_stops or (grammar and k in grammar[1]):
+                    return NoTokenPossible(
+                        "no token is possible at this position: the request's grammar, or "
+                        "its stop ids held back by min_new_tokens, exclude every token"
+                    )
+                return UnusableLogits("the model's logits at this position are all -inf")
         return None
 
 
 class UnusableLogits(RuntimeError):
-    """A request's logits row gave no distribution to draw from (``StepRows.unusable``)."""
+    """The model gave a request's row no distribution (an internal error: 500)."""
+
+
+class NoTokenPossible(ValueError):
+    """The request's own constraints leave its row no token (its input: 400)."""
 
 
 def step_rows(steps: Sequence[ReqStep], row_offsets: Sequence[int], vocab_size: int) -> StepRows:
