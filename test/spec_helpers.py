@@ -1,8 +1,14 @@
-"""A test-double proposer shared by the speculative tests."""
+"""Shared by the speculative tests: a test-double proposer, and DeepSeek-V4's
+DSpark drafter (tiny checkpoints, a reference block forward, the target
+features it reads) written out independently of the code under test."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
+
+import torch
 
 from specserve.core import Req
 from specserve.speculative.base import DraftProposal, Proposer
@@ -40,3 +46,171 @@ class OracleProposer(Proposer):
             plan.append(min(cut, len(drafts)))
             out.append(drafts)
         return DraftProposal(out, [None] * len(reqs))
+
+
+# ---- DeepSeek-V4's DSpark drafter, written out from its description ---------
+
+
+def v4_checkpoints(root: str, block: int) -> dict[str, str]:
+    """A tiny 5-layer DeepSeek-V4 target (window 8) and a random DSpark drafter
+    for it with ``block`` slots, in its own directory and bundled in a copy
+    of the target."""
+    from specserve.tools.tiny_model import make_tiny_dspark_v4, make_tiny_model
+
+    target = make_tiny_model(os.path.join(root, "v4"), arch="deepseek_v4", num_layers=5)
+    drafter = make_tiny_dspark_v4(os.path.join(root, "drafter"), target, block_size=block, seed=1)
+    bundle = make_tiny_dspark_v4(
+        os.path.join(root, "bundle"), target, block_size=block, seed=1, bundle=True
+    )
+    return {"target": target, "drafter": drafter, "bundle": bundle}
+
+
+class V4Reference:
+    """The V4 drafter's block forward over a drafter directory's own tensors:
+    transformers' V4 mHC and MoE modules for those parts, the stage attention
+    (sliding window, sinks, grouped output) by hand."""
+
+    def __init__(self, drafter: str, target: str) -> None:
+        from safetensors.torch import load_file
+
+        with open(os.path.join(drafter, "config.json")) as f:
+            self.cfg = json.load(f)
+        self.w = load_file(os.path.join(drafter, "model.safetensors"))
+        self.target_w = load_file(os.path.join(target, "model.safetensors"))
+        self.block = self.cfg["dspark_block_size"]
+        self.modules = [_hf_v4_modules(self.cfg, self.w, s) for s in range(self.num_stages)]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.cfg["dspark_target_layer_ids"])
+
+    @torch.no_grad()
+    def block_forward(
+        self, features: torch.Tensor, anchor: int, prev: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Base logits ``[G, V]``, Markov-corrected logits ``[G, V]`` (``prev
+        [G]``: the token before each slot) and confidences ``[G]`` of the block
+        whose anchor sits right after the context ``features [P, m * d]``."""
+        cfg, w, g = self.cfg, self.w, self.block
+        h, d, window = cfg["num_attention_heads"], cfg["head_dim"], cfg["sliding_window"]
+        groups, theta = cfg["o_groups"], cfg["rope_parameters"]["main"]["rope_theta"]
+        rot = int(d * cfg["rope_parameters"]["main"]["partial_rotary_factor"])
+        eps = cfg["rms_norm_eps"]
+        p_len = features.shape[0]
+        main_x = _rms(features @ w["mtp.0.main_proj.weight"].T, w["mtp.0.main_norm.weight"], eps)
+        ids = torch.tensor([anchor] + [cfg["dspark_noise_token_id"]] * (g - 1))
+        block_pos = torch.arange(p_len, p_len + g)
+        ctx_pos = torch.arange(max(0, p_len - window), p_len)  # the window before the anchor
+        x = self.target_w["model.embed_tokens.weight"][ids]
+        streams = x[:, None, :].expand(-1, cfg["hc_mult"], -1)[None].contiguous()  # [1, G, N, d]
+        for s, ((hc_attn, hc_ffn), moe) in enumerate(self.modules):
+            a = f"mtp.{s}.attn."
+            post, comb, collapsed = hc_attn(streams)
+            y = _rms(collapsed[0], w[f"mtp.{s}.attn_norm.weight"], eps)  # [G, d]
+            q = (
+                _rms(y @ w[a + "wq_a.weight"].T, w[a + "q_norm.weight"], eps)
+                @ w[a + "wq_b.weight"].T
+            )
+            q = _rope(_rms(q.view(g, h, d), eps=eps), block_pos, theta, rot)
+
+            def key(z: torch.Tensor, pos: torch.Tensor, a: str = a) -> torch.Tensor:
+                k = _rms(z @ w[a + "wkv.weight"].T, w[a + "norm.weight"], eps)[:, None]
+                return _rope(k, pos, theta, rot)[:, 0]
+
+            # Every block query sees the window and the whole block (keys = values).
+            keys = torch.cat([key(main_x[ctx_pos], ctx_pos), key(y, block_pos)])
+            scores = torch.einsum("ghd,kd->ghk", q, keys) * d**-0.5
+            sink = w[a + "attn_sink"][None, :, None].expand(g, h, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+            o = torch.einsum("ghk,kd->ghd", probs, keys)
+            o = _rope(o, block_pos, theta, rot, inverse=True).reshape(g, groups, -1)
+            wo_a = w[a + "wo_a.weight"].view(groups, -1, o.shape[-1])
+            out = torch.einsum("gci,cri->gcr", o, wo_a).reshape(g, -1) @ w[a + "wo_b.weight"].T
+            streams = post[..., None] * out[None, :, None, :] + torch.matmul(
+                comb.transpose(-1, -2), streams
+            )
+            post, comb, collapsed = hc_ffn(streams)
+            out = moe(_rms(collapsed, w[f"mtp.{s}.ffn_norm.weight"], eps))
+            streams = post[..., None] * out[:, :, None, :] + torch.matmul(
+                comb.transpose(-1, -2), streams
+            )
+        last = f"mtp.{self.num_stages - 1}."
+        flat = _rms(streams[0].flatten(1), eps=eps)
+        pre = torch.sigmoid(
+            flat @ w[last + "hc_head_fn"].T * w[last + "hc_head_scale"] + w[last + "hc_head_base"]
+        )
+        collapsed = ((pre + cfg["hc_eps"])[..., None] * streams[0]).sum(1)  # [G, d]
+        base = _rms(collapsed, w[last + "norm.weight"], eps) @ self.target_w["head.weight"].T
+        embed = w[last + "markov_head.markov_w1.weight"][prev]  # [G, r]
+        corrected = base + embed @ w[last + "markov_head.markov_w2.weight"].T
+        conf = torch.sigmoid(
+            torch.cat([collapsed, embed], -1) @ w[last + "confidence_head.proj.weight"].T
+        )
+        return base, corrected, conf[:, 0]
+
+
+def hf_v4_features(model, ids: list[int], layer_ids: Sequence[int]) -> torch.Tensor:
+    """What a V4 drafter reads of a transformers V4 target over ``ids``: each
+    of ``layer_ids``' output streams averaged, concatenated ``[T, m * d]``."""
+    out: dict[int, torch.Tensor] = {}
+
+    def hook(i: int):
+        return lambda module, args, streams: out.__setitem__(i, streams[0].mean(dim=1))
+
+    hooks = [model.model.layers[i].register_forward_hook(hook(i)) for i in layer_ids]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return torch.cat([out[i] for i in layer_ids], dim=-1)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight
+
+
+def _rope(x, positions, theta, rot, inverse=False) -> torch.Tensor:
+    """Interleaved pairs of the trailing ``rot`` channels; ``x [T, H, D]``."""
+    freqs = positions[:, None].float() / theta ** (torch.arange(0, rot, 2).float() / rot)
+    cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]
+    if inverse:
+        sin = -sin
+    head, tail = x[..., :-rot], x[..., -rot:]
+    even, odd = tail[..., 0::2], tail[..., 1::2]
+    out = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+    return torch.cat([head, out], dim=-1)
+
+
+def _hf_v4_modules(cfg_dict: dict, w: dict[str, torch.Tensor], stage: int):
+    """transformers' mHC and MoE modules holding stage ``stage``'s tensors."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+    cfg = DeepseekV4Config(**{k: v for k, v in cfg_dict.items() if not k.startswith("dspark")})
+    p = f"mtp.{stage}."
+    hcs = []
+    for site in ("attn", "ffn"):
+        hc = hf.DeepseekV4HyperConnection(cfg)
+        hc.fn.data, hc.base.data = w[p + f"hc_{site}_fn"], w[p + f"hc_{site}_base"]
+        hc.scale.data = w[p + f"hc_{site}_scale"]
+        hcs.append(hc)
+    moe = hf.DeepseekV4SparseMoeBlock(cfg, layer_idx=cfg.num_hidden_layers - 1)
+    assert not moe.is_hash
+    e = cfg.n_routed_experts
+    moe.gate.weight.data = w[p + "ffn.gate.weight"]
+    moe.gate.e_score_correction_bias.data = w[p + "ffn.gate.bias"]
+    moe.experts.gate_up_proj.data = torch.stack(
+        [
+            torch.cat([w[p + f"ffn.experts.{i}.w1.weight"], w[p + f"ffn.experts.{i}.w3.weight"]])
+            for i in range(e)
+        ]
+    )
+    moe.experts.down_proj.data = torch.stack(
+        [w[p + f"ffn.experts.{i}.w2.weight"] for i in range(e)]
+    )
+    for name, key in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+        getattr(moe.shared_experts, name).weight.data = w[p + f"ffn.shared_experts.{key}.weight"]
+    return hcs, moe.eval()

@@ -1,10 +1,11 @@
-"""DeepSeek-V4's bundled DSpark drafter (``mtp.*``, ``dspark_*`` fields).
+"""DeepSeek-V4's bundled DSpark drafter (``mtp.*``, ``dspark_*`` fields) served
+by the engine.
 
-The drafter's forward is checked against a reference written here from the
-public description, on the checkpoint's own tensors: transformers' V4 mHC
-and MoE modules for those parts, the stage attention by hand. DSPARK on a V4
-target must give plain decoding's ids and logprobs, with the drafter bundled
-in the target or in a directory of its own.
+The drafts the engine serves are checked against the reference block forward
+(``spec_helpers.V4Reference``) on the target features transformers' V4
+computes; the drafter's own forward has its tests in ``test_dspark_v4_model.py``.
+DSPARK on a V4 target must give plain decoding's ids and logprobs, with the
+drafter bundled in the target or in a directory of its own.
 """
 
 from __future__ import annotations
@@ -15,24 +16,18 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from models_zoo import random_prompts
+from models_zoo import earlier_entry_wins, random_prompts
+from spec_helpers import V4Reference, hf_v4_features, v4_checkpoints
 from specserve import Engine
-from specserve.tools.tiny_model import make_tiny_dspark_v4, make_tiny_model
 
 BLOCK = 4
 
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("v4-dspark")
-    target = make_tiny_model(str(root / "v4"), arch="deepseek_v4", num_layers=5)
-    drafter = make_tiny_dspark_v4(str(root / "drafter"), target, block_size=BLOCK, seed=1)
-    bundle = make_tiny_dspark_v4(
-        str(root / "bundle"), target, block_size=BLOCK, seed=1, bundle=True
-    )
-    return {"target": target, "drafter": drafter, "bundle": bundle}
+    return v4_checkpoints(str(tmp_path_factory.mktemp("v4-dspark")), BLOCK)
 
 
 def engine(path: str, **kw) -> Engine:
@@ -40,157 +35,125 @@ def engine(path: str, **kw) -> Engine:
     return Engine(model_path=path, **{**args, **kw})
 
 
-# ---- the reference ----------------------------------------------------------
+class Served:
+    """What the engine's proposer was handed and what it proposed: each
+    request's captured target features in order, and every round's anchor
+    position and token, drafts, distributions and confidences, with the draft
+    pages the request held after it."""
+
+    def __init__(self, proposer) -> None:
+        self.features: dict[str, list[torch.Tensor]] = {}
+        self.rounds: list[dict] = []
+        on_features, propose = proposer.on_target_features, proposer.propose
+
+        def record_features(req, start: int, features: torch.Tensor) -> None:
+            got = self.features.setdefault(req.rid, [])
+            assert start == sum(f.shape[0] for f in got)  # in order, nothing recomputed
+            got.append(features.clone())
+            on_features(req, start, features)
+
+        def record_propose(reqs, max_lens):
+            before = [(r.rid, r.seq_len - 1, r.output_ids[-1]) for r in reqs]
+            out = propose(reqs, max_lens)
+            for i, (r, (rid, p, anchor)) in enumerate(zip(reqs, before)):
+                pages = sum(page >= 0 for page in r.draft_state.pages)
+                self.rounds.append(
+                    dict(rid=rid, p=p, anchor=anchor, tokens=out.tokens[i], q=out.q[i],
+                         conf=out.confidence[i], pages=pages)
+                )  # fmt: skip
+            return out
+
+        proposer.on_target_features = record_features
+        proposer.propose = record_propose
 
 
-def rms(x, weight=None, eps=1e-6):
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return y if weight is None else y * weight
+def successor_drafter(path: str, target: str, sequence: list[int], strength: float) -> str:
+    """A random V4 drafter whose Markov head (rank 32) adds ``strength`` to the
+    token that follows each token of ``sequence`` there: near 2.5, whether a
+    draft is that successor still turns on the block's own logits, so how
+    many drafts are accepted depends on the whole served path."""
+    from specserve.tools.tiny_model import make_tiny_dspark_v4
+
+    make_tiny_dspark_v4(path, target, block_size=BLOCK, markov_rank=32, seed=1)
+    file = os.path.join(path, "model.safetensors")
+    w = load_file(file)
+    key = next(k for k in w if k.endswith("markov_head.markov_w1.weight"))
+    w1, w2 = torch.zeros_like(w[key]), torch.zeros_like(w[key.replace("w1", "w2")])
+    successors = dict(reversed(list(zip(sequence, sequence[1:]))))  # the first successor of each
+    assert len(successors) <= w1.shape[1]
+    for i, (token, successor) in enumerate(successors.items()):
+        w1[token, i], w2[successor, i] = 1.0, strength
+    w[key], w[key.replace("w1", "w2")] = w1, w2
+    save_file(w, file, metadata={"format": "pt"})
+    return path
 
 
-def rope(x, positions, theta, rot, inverse=False):
-    """Interleaved pairs of the trailing ``rot`` channels; ``x [T, H, D]``."""
-    freqs = positions[:, None].float() / theta ** (torch.arange(0, rot, 2).float() / rot)
-    cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]
-    if inverse:
-        sin = -sin
-    head, tail = x[..., :-rot], x[..., -rot:]
-    even, odd = tail[..., 0::2], tail[..., 1::2]
-    out = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
-    return torch.cat([head, out], dim=-1)
+def test_served_drafts_match_the_reference_on_the_target_features(paths, tmp_path) -> None:
+    """Every round the engine drafted, against the reference block on the
+    target features transformers' V4 computes for the sequence the engine
+    committed: the features the engine captured are those, the greedy
+    request's drafts are the reference's argmaxes, the sampled one's
+    distributions its softmaxes, the confidences its confidences. The
+    drafter knows the greedy request's continuation well enough to get most
+    of its drafts accepted (accepted length in a band around its measured
+    value), so rounds commit several positions; contexts grow past three
+    windows, so the draft pool frees the pages behind the window round after
+    round; every draft page is free at the end."""
+    from transformers import AutoModelForCausalLM
 
-
-def hf_modules(cfg_dict, w, stage):
-    """transformers' mHC and MoE modules holding stage ``stage``'s tensors."""
-    from transformers import DeepseekV4Config
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
-
-    cfg = DeepseekV4Config(**{k: v for k, v in cfg_dict.items() if not k.startswith("dspark")})
-    p = f"mtp.{stage}."
-    hcs = []
-    for site in ("attn", "ffn"):
-        hc = hf.DeepseekV4HyperConnection(cfg)
-        hc.fn.data, hc.base.data = w[p + f"hc_{site}_fn"], w[p + f"hc_{site}_base"]
-        hc.scale.data = w[p + f"hc_{site}_scale"]
-        hcs.append(hc)
-    moe = hf.DeepseekV4SparseMoeBlock(cfg, layer_idx=cfg.num_hidden_layers - 1)
-    assert not moe.is_hash
-    e = cfg.n_routed_experts
-    moe.gate.weight.data = w[p + "ffn.gate.weight"]
-    moe.gate.e_score_correction_bias.data = w[p + "ffn.gate.bias"]
-    moe.experts.gate_up_proj.data = torch.stack(
-        [
-            torch.cat([w[p + f"ffn.experts.{i}.w1.weight"], w[p + f"ffn.experts.{i}.w3.weight"]])
-            for i in range(e)
-        ]
+    temperature, rids = 0.8, ["greedy", "sampled"]
+    prompts = random_prompts(2, [5, 13], seed=41)
+    greedy = {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
+    sps = [
+        greedy,
+        {"temperature": temperature, "seed": 7, "max_new_tokens": 20, "ignore_eos": True},
+    ]
+    plain = engine(paths["target"]).generate(input_ids=prompts[:1], sampling_params=greedy)[0]
+    drafter = successor_drafter(
+        str(tmp_path / "drafter"), paths["target"], prompts[0][-1:] + plain["output_ids"], 2.5
     )
-    moe.experts.down_proj.data = torch.stack(
-        [w[p + f"ffn.experts.{i}.w2.weight"] for i in range(e)]
-    )
-    for name, key in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
-        getattr(moe.shared_experts, name).weight.data = w[p + f"ffn.shared_experts.{key}.weight"]
-    return hcs, moe
+    eng = engine(
+        paths["target"], speculative_algorithm="DSPARK", speculative_draft_model_path=drafter,
+        speculative_dspark_confidence_threshold=1e-9,  # confidences computed, nothing cut
+    )  # fmt: skip
+    served = Served(eng.proposer)
+    outs = eng.generate(input_ids=prompts, sampling_params=sps, rid=rids)
+    assert outs[0]["output_ids"] == plain["output_ids"]
+    tau = outs[0]["meta_info"]["spec_accept_length"]
+    assert 2.4 < tau < 3.1, tau  # measured 2.71: 19 tokens in 7 rounds
+    pool = eng.proposer.block_pool
+    assert pool.free_pages() == pool.total_pages()
+    assert eng.free_pages() == eng.total_pages()
 
-
-def reference_block(cfg, w, target_w, features, anchor, prev):
-    """Base logits ``[G, V]``, Markov-corrected logits ``[G, V]`` (``prev``: the
-    token before each slot) and confidences ``[G]`` of one block whose anchor
-    sits right after the context ``features [P, m * d]``."""
-    n_stage = len(cfg["dspark_target_layer_ids"])
-    h, d, window = cfg["num_attention_heads"], cfg["head_dim"], cfg["sliding_window"]
-    groups, theta = cfg["o_groups"], cfg["rope_parameters"]["main"]["rope_theta"]
-    rot = int(d * cfg["rope_parameters"]["main"]["partial_rotary_factor"])
-    eps = cfg["rms_norm_eps"]
-    p_len = features.shape[0]
-    main_x = rms(features @ w["mtp.0.main_proj.weight"].T, w["mtp.0.main_norm.weight"], eps)
-    ids = torch.tensor([anchor] + [cfg["dspark_noise_token_id"]] * (BLOCK - 1))
-    block_pos = torch.arange(p_len, p_len + BLOCK)
-    ctx_pos = torch.arange(max(0, p_len - window), p_len)
-    x = target_w["model.embed_tokens.weight"][ids]
-    streams = x[:, None, :].expand(-1, cfg["hc_mult"], -1)[None].contiguous()  # [1, G, N, d]
-    for s in range(n_stage):
-        a = f"mtp.{s}.attn."
-        (hc_attn, hc_ffn), moe = hf_modules(cfg, w, s)
-        post, comb, collapsed = hc_attn(streams)
-        y = rms(collapsed[0], w[f"mtp.{s}.attn_norm.weight"], eps)  # [G, d]
-        q = rms(y @ w[a + "wq_a.weight"].T, w[a + "q_norm.weight"], eps) @ w[a + "wq_b.weight"].T
-        q = rope(rms(q.view(BLOCK, h, d), eps=eps), block_pos, theta, rot)
-        ck = rope(
-            rms(main_x[ctx_pos] @ w[a + "wkv.weight"].T, w[a + "norm.weight"], eps)[:, None],
-            ctx_pos,
-            theta,
-            rot,
-        )[:, 0]
-        bk = rope(
-            rms(y @ w[a + "wkv.weight"].T, w[a + "norm.weight"], eps)[:, None],
-            block_pos,
-            theta,
-            rot,
-        )[:, 0]
-        keys = torch.cat([ck, bk])  # every block query sees the window and the whole block
-        scores = torch.einsum("ghd,kd->ghk", q, keys) * d**-0.5
-        sink = w[a + "attn_sink"][None, :, None].expand(BLOCK, h, 1)
-        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
-        o = rope(torch.einsum("ghk,kd->ghd", probs, keys), block_pos, theta, rot, inverse=True)
-        o = o.reshape(BLOCK, groups, -1)
-        wo_a = w[a + "wo_a.weight"].view(groups, -1, o.shape[-1])
-        out = torch.einsum("gci,cri->gcr", o, wo_a).reshape(BLOCK, -1) @ w[a + "wo_b.weight"].T
-        streams = post[..., None] * out[None, :, None, :] + torch.matmul(
-            comb.transpose(-1, -2), streams
-        )
-        post, comb, collapsed = hc_ffn(streams)
-        out = moe(rms(collapsed, w[f"mtp.{s}.ffn_norm.weight"], eps))
-        streams = post[..., None] * out[:, :, None, :] + torch.matmul(
-            comb.transpose(-1, -2), streams
-        )
-    last = f"mtp.{n_stage - 1}."
-    flat = rms(streams[0].flatten(1), eps=eps)
-    pre = torch.sigmoid(
-        flat @ w[last + "hc_head_fn"].T * w[last + "hc_head_scale"] + w[last + "hc_head_base"]
-    )
-    collapsed = ((pre + cfg["hc_eps"])[..., None] * streams[0]).sum(1)  # [G, d]
-    base = rms(collapsed, w[last + "norm.weight"], eps) @ target_w["head.weight"].T
-    embed = w[last + "markov_head.markov_w1.weight"][prev]  # [G, r]
-    corrected = base + embed @ w[last + "markov_head.markov_w2.weight"].T
-    conf = torch.sigmoid(
-        torch.cat([collapsed, embed], -1) @ w[last + "confidence_head.proj.weight"].T
-    )
-    return base, corrected, conf[:, 0]
-
-
-def test_drafter_forward_matches_a_reference(paths) -> None:
-    eng = engine(paths["target"], speculative_algorithm="DSPARK",
-                 speculative_draft_model_path=paths["drafter"])  # fmt: skip
-    model = eng.proposer.model
-    with open(os.path.join(paths["drafter"], "config.json")) as f:
-        cfg = json.load(f)
-    w = load_file(os.path.join(paths["drafter"], "model.safetensors"))
-    target_w = load_file(os.path.join(paths["target"], "model.safetensors"))
-    g = torch.Generator().manual_seed(0)
-    m = len(cfg["dspark_target_layer_ids"])
-    for p_len in (3, 11):  # a context shorter and longer than the window (8)
-        features = torch.randn(p_len, m * cfg["hidden_size"], generator=g)
-        anchor, prev = 17, torch.tensor([17, 40, 41, 42])
-        with torch.no_grad():
-            want_base, want_corr, want_conf = reference_block(
-                cfg, w, target_w, features, anchor, prev
-            )
-            keys = model.context_kv(features, torch.arange(p_len))
-            lo = max(0, p_len - model.window)
-            ctx = [k[lo:, 0][None] for k, _ in keys]
-            attend = model.window_attend(ctx, torch.zeros(1, p_len - lo))
-            hidden = model.block_hidden(
-                torch.tensor([anchor]), torch.tensor([p_len]), attend, BLOCK
-            )
-            base = model.base_logits(hidden)[0]
-            bias = [
-                model.markov_head.step(prev[k : k + 1], hidden[:, k], None) for k in range(BLOCK)
-            ]
-            corrected = base + torch.cat([b[0] for b in bias])
-            conf = model._confidence(hidden, [b[2] for b in bias])[0]
-        assert torch.allclose(base, want_base, atol=1e-4)
-        assert torch.allclose(corrected, want_corr, atol=1e-4)
-        assert torch.allclose(conf, want_conf, atol=1e-5)
+    reference = V4Reference(drafter, paths["target"])
+    layer_ids = reference.cfg["dspark_target_layer_ids"]
+    with earlier_entry_wins():
+        hf = AutoModelForCausalLM.from_pretrained(paths["target"], dtype=torch.float32).eval()
+        want = {
+            rid: hf_v4_features(hf, p + o["output_ids"], layer_ids)
+            for rid, p, o in zip(rids, prompts, outs)
+        }
+    for rid in rids:
+        got = torch.cat(served.features[rid])
+        torch.testing.assert_close(got, want[rid][: got.shape[0]], atol=1e-4, rtol=0)
+    window = reference.cfg["sliding_window"]
+    checked = 0
+    for rnd in served.rounds:
+        rid, p, anchor, tokens = rnd["rid"], rnd["p"], rnd["anchor"], rnd["tokens"]
+        assert p <= torch.cat(served.features[rid]).shape[0]
+        n = len(tokens)
+        prev = torch.tensor(([anchor] + tokens + [anchor] * BLOCK)[:BLOCK])
+        _, logits, conf = reference.block_forward(want[rid][:p], anchor, prev)
+        if rid == "greedy":
+            assert tokens == logits[:n].argmax(-1).tolist(), rnd
+            assert rnd["q"] is None
+        else:
+            want_q = torch.softmax(logits[:n] / temperature, dim=-1)
+            torch.testing.assert_close(rnd["q"], want_q, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(rnd["conf"]), conf[:n], atol=1e-5, rtol=0)
+        assert rnd["pages"] <= pool.pages_for(window) + 1  # the window (straddling a page)
+        checked += n > 0
+    assert checked >= 10 and max(r["p"] for r in served.rounds) > 3 * window
 
 
 @pytest.mark.parametrize("layout", ["bundle", "drafter"])
@@ -358,8 +321,11 @@ def test_a_trained_drafter_gets_drafts_accepted(paths, trained) -> None:
             ra, rb = a["meta_info"][key], b["meta_info"][key]
             assert [[t[1] for t in r] for r in ra] == [[t[1] for t in r] for r in rb]
             assert max(abs(x[0] - y[0]) for r, q in zip(ra, rb) for x, y in zip(r, q)) < 1e-4
+    # Measured 1.033 (about 9 drafts accepted in 270 rounds): 60 steps leave the
+    # drafter weak, so this band says little of the served path; the drafts
+    # themselves are pinned by test_served_drafts_match_the_reference_on_the_target_features.
     tau = spec.core.spec.stats.accept_length
-    assert tau > 1.0, tau  # some drafts accepted
+    assert 1.015 < tau < 1.06, tau
 
 
 def test_a_token_map_keeps_v4_drafting_exact(paths, trained, tmp_path) -> None:
@@ -383,7 +349,7 @@ def test_a_token_map_keeps_v4_drafting_exact(paths, trained, tmp_path) -> None:
         assert a["output_ids"] == b["output_ids"]
         la, lb = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
         assert max(abs(x[0] - y[0]) for x, y in zip(la, lb)) < 1e-4
-    assert spec.core.spec.stats.accept_length > 1.0
+    assert 1.03 < spec.core.spec.stats.accept_length < 1.11  # measured 1.068
 
 
 def test_limits_and_stops_cut_accepted_runs(paths, trained) -> None:
@@ -401,7 +367,7 @@ def test_limits_and_stops_cut_accepted_runs(paths, trained) -> None:
         input_ids=candidates.tolist(), sampling_params={**base, "max_new_tokens": 24}
     )
     taus = [o["meta_info"]["spec_accept_length"] for o in tried]
-    assert max(taus) > 1.0, taus
+    assert 1.04 < max(taus) < 1.15, taus  # measured 1.095
     prompt = candidates[taus.index(max(taus))].tolist()
     plain = engine(paths["target"])
     full = plain.generate(input_ids=[prompt], sampling_params={**base, "max_new_tokens": 24})[0]
