@@ -64,7 +64,7 @@ class HostSyncError(RuntimeError):
 # under inference mode composite ops (item, where) reach the dispatcher whole.
 _SYNC_OPS = frozenset(
     {
-        "_local_scalar_dense",  # .item(), int(t), bool(t), float(t)
+        "_local_scalar_dense",  # item, int(t), bool(t), float(t)
         "item",
         "is_nonzero",
         "equal",
