@@ -48,6 +48,39 @@ class OracleProposer(Proposer):
         return DraftProposal(out, [None] * len(reqs))
 
 
+class VerifyRecorder:
+    """Records every chain an engine verifies, as the target saw it: the
+    request, the number of tokens it had committed (its anchor the last) and
+    the drafts after the anchor. Wraps the engine's one verify call, so it
+    sees what was verified, whichever proposer drew it and whatever cut it."""
+
+    def __init__(self, eng) -> None:
+        self.chains: list[tuple[str, int, list[int]]] = []
+        spec = eng.core.spec
+        inner = spec.verify
+
+        def verify(batch, *args, **kwargs):
+            for step in batch.steps:
+                if step.verify:
+                    self.chains.append((step.req.rid, len(step.req.output_ids), list(step.drafts)))
+            return inner(batch, *args, **kwargs)
+
+        spec.verify = verify
+
+    def accepted(self, outputs: dict[str, list[int]]) -> list[int]:
+        """Per chain, how many of its drafts the final output kept: the length of
+        the drafts' common prefix with the output after the anchor (greedy
+        decoding keeps exactly those)."""
+        out = []
+        for rid, committed, drafts in self.chains:
+            truth = outputs[rid][committed : committed + len(drafts)]
+            n = 0
+            while n < len(truth) and drafts[n] == truth[n]:
+                n += 1
+            out.append(n)
+        return out
+
+
 # ---- DeepSeek-V4's DSpark drafter, written out from its description ---------
 
 
