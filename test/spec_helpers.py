@@ -80,6 +80,15 @@ class VerifyRecorder:
             out.append(n)
         return out
 
+    def taus(self, outputs: dict[str, list[int]]) -> dict[str, tuple[int, float]]:
+        """Per request: its verify rounds and the tokens they committed per
+        round, counted from the chains and the final output (the accepted
+        drafts and the target's own token after them, cut at the output's end)."""
+        rounds: dict[str, list[int]] = {}
+        for (rid, committed, _), kept in zip(self.chains, self.accepted(outputs)):
+            rounds.setdefault(rid, []).append(min(kept + 1, len(outputs[rid]) - committed))
+        return {rid: (len(c), sum(c) / len(c)) for rid, c in rounds.items()}
+
 
 # ---- DeepSeek-V4's DSpark drafter, written out from its description ---------
 

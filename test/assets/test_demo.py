@@ -66,6 +66,8 @@ def test_demo_speculation_is_lossless_and_accepts(alg) -> None:
     try:
         got = spec.generate(PROMPTS, sp)
         assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
-        assert spec.stats()["spec_accept_length"] > 1.5  # a trained drafter, not a random one
+        # A trained drafter: measured 4.27 (DSPARK) and 3.20 (DFLASH) tokens a round.
+        low, high = {"DSPARK": (3.8, 4.7), "DFLASH": (2.85, 3.55)}[alg]
+        assert low <= spec.stats()["spec_accept_length"] <= high
     finally:
         spec.shutdown()

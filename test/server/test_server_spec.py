@@ -70,4 +70,4 @@ def test_accept_length_in_server_info_and_metrics(spec_server) -> None:
     assert info["verify_rounds"] > 0 and info["mean_accept_length"] >= 1.0
     metrics = spec_server.http.get("/metrics").text
     line = next(x for x in metrics.splitlines() if x.startswith("specserve_spec_accept_length "))
-    assert float(line.split()[1]) == pytest.approx(info["mean_accept_length"], rel=0.5)
+    assert float(line.split()[1]) == pytest.approx(info["mean_accept_length"])
