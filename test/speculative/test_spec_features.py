@@ -45,6 +45,38 @@ def plain() -> dict[str, list[int]]:
     return {rid: o["output_ids"] for rid, o in zip(RIDS, outs)}
 
 
+Proposed = dict[tuple[str, int], tuple[list[int], list[float] | None, int]]
+
+
+def record_proposals(proposer) -> Proposed:
+    """Wraps ``proposer.propose``: per (request, tokens committed), the drafts
+    it proposed, their confidences (None without) and the limit it was given."""
+    proposed: Proposed = {}
+    inner = proposer.propose
+
+    def recorded(reqs, max_lens):
+        proposal = inner(reqs, max_lens)
+        for i, (r, tokens, limit) in enumerate(zip(reqs, proposal.tokens, max_lens)):
+            conf = None if proposal.confidence is None else list(proposal.confidence[i])
+            proposed[(r.rid, len(r.output_ids))] = (list(tokens), conf, limit)
+        return proposal
+
+    proposer.propose = recorded
+    return proposed
+
+
+def verified_run(eng: Engine, plain: dict[str, list[int]]) -> VerifyRecorder:
+    """The engine's greedy run of PROMPTS (then shut down), equal to plain
+    decoding, with every verified chain recorded."""
+    recorder = VerifyRecorder(eng)
+    try:
+        outs = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY, rid=RIDS)
+    finally:
+        eng.shutdown()
+    assert {rid: o["output_ids"] for rid, o in zip(RIDS, outs)} == plain
+    return recorder
+
+
 @pytest.mark.skipif(
     not os.path.isfile(os.path.join(DEMO_ROOT, "target", "config.json")),
     reason="demo assets not built",
@@ -98,27 +130,12 @@ def test_ngram_first_lookup_supplies_accepted_drafts(plain, drafter) -> None:
         speculative_ngram_first=True,
         speculative_ngram_min_match=2,
     )
-    lookup = eng.proposer.lookup
-    found: dict[tuple[str, int], tuple[list[int], int]] = {}
-    inner = lookup.propose
-
-    def recorded(reqs, max_lens):
-        proposal = inner(reqs, max_lens)
-        for r, tokens, limit in zip(reqs, proposal.tokens, max_lens):
-            found[(r.rid, len(r.output_ids))] = (list(tokens), limit)
-        return proposal
-
-    lookup.propose = recorded
-    recorder = VerifyRecorder(eng)
-    try:
-        outs = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY, rid=RIDS)
-    finally:
-        eng.shutdown()
-    assert {rid: o["output_ids"] for rid, o in zip(RIDS, outs)} == plain
+    found = record_proposals(eng.proposer.lookup)
+    recorder = verified_run(eng, plain)
     accepted = recorder.accepted(plain)
     by_lookup = drafter_rounds = 0
     for (rid, committed, chain), kept in zip(recorder.chains, accepted):
-        looked, limit = found[(rid, committed)]
+        looked, _, limit = found[(rid, committed)]
         if looked:  # taken whole: lookup drafts count as certain
             assert chain == looked[:limit], (rid, committed)
             by_lookup += kept
@@ -139,22 +156,8 @@ def test_confidence_threshold_cuts_chains_at_the_first_low_confidence(plain, dra
         speculative_draft_model_path=drafter,
         speculative_dspark_confidence_threshold=threshold,
     )
-    proposed: dict[tuple[str, int], tuple[list[int], list[float], int]] = {}
-    inner = eng.proposer.propose
-
-    def recorded(reqs, max_lens):
-        proposal = inner(reqs, max_lens)
-        for r, tokens, conf, limit in zip(reqs, proposal.tokens, proposal.confidence, max_lens):
-            proposed[(r.rid, len(r.output_ids))] = (list(tokens), list(conf), limit)
-        return proposal
-
-    eng.proposer.propose = recorded
-    recorder = VerifyRecorder(eng)
-    try:
-        outs = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY, rid=RIDS)
-    finally:
-        eng.shutdown()
-    assert {rid: o["output_ids"] for rid, o in zip(RIDS, outs)} == plain
+    proposed = record_proposals(eng.proposer)
+    recorder = verified_run(eng, plain)
     verified = {(rid, committed): chain for rid, committed, chain in recorder.chains}
     assert set(verified) <= set(proposed)
     cut = whole = 0
