@@ -254,6 +254,32 @@ class LimitsConfig:
 SERVER_MAX_SEQUENCES = 512
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over processes (SGLang's flag names). One
+    tensor-parallel group of ``tp_size`` ranks: rank 0 is the engine's own
+    process (scheduler, sampling, server), ranks 1.. are worker processes
+    that run only their shard of each forward (docs/parallelism.md)."""
+
+    tp_size: int = 1
+    # Rendezvous of the ranks, host:port (None: a free port on 127.0.0.1).
+    dist_init_addr: str | None = None
+    # Seconds a collective of a forward may wait for another rank before the
+    # engine stops on it (a hung or lost rank).
+    dist_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
+        t = self.dist_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+            raise ValueError(f"dist_timeout must be a number of seconds > 0, got {t!r}")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+
+
 SPEC_ALGORITHMS = ("DSPARK", "DFLASH", "NGRAM")
 
 
@@ -321,7 +347,7 @@ class SpecConfig:
 
 
 # EngineConfig fields that hold a nested config (flat arguments fill them).
-SUB_CONFIGS = ("cache", "scheduler", "limits", "spec")
+SUB_CONFIGS = ("cache", "scheduler", "limits", "spec", "parallel")
 
 # Flat engine-argument names (SGLang's) of the SpecConfig fields.
 SPEC_ARG_NAMES = {
@@ -379,6 +405,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -417,7 +444,12 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, model_path: str, **kwargs: Any) -> EngineConfig:
         """Flat keyword arguments (SGLang names) into the nested frozen config."""
-        sub: dict[type, dict[str, Any]] = {CacheConfig: {}, SchedulerConfig: {}, LimitsConfig: {}}
+        sub: dict[type, dict[str, Any]] = {
+            CacheConfig: {},
+            SchedulerConfig: {},
+            LimitsConfig: {},
+            ParallelConfig: {},
+        }
         spec: dict[str, Any] = {}
         top: dict[str, Any] = {}
         names = {f.name for f in dataclasses.fields(cls)}
@@ -442,6 +474,7 @@ class EngineConfig:
             scheduler=SchedulerConfig(**sub[SchedulerConfig]),
             limits=LimitsConfig(**sub[LimitsConfig]),
             spec=SpecConfig(**spec),
+            parallel=ParallelConfig(**sub[ParallelConfig]),
             **top,
         )
 

@@ -17,12 +17,15 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.core import FinishReason, Req
+from specserve.distributed import SINGLE, DistributedError, RankGroup
+from specserve.distributed.launcher import WorkerRanks
 from specserve.engine.engine_core import EngineCore, RequestOutput, is_fatal
 from specserve.engine.request_factory import GenerateRequest, Limits, RequestFactory
 from specserve.engine.result import ResultCollector, format_output
 from specserve.grammar.base import GrammarBackend
 from specserve.runner.cuda_graph_runner import Capture
 from specserve.runner.model_runner import ModelRunner
+from specserve.runner.tp_worker import start_workers
 from specserve.speculative.base import Proposer
 from specserve.speculative.factory import build_proposer, load_drafter
 from specserve.tokenizer.tokenizer import Tokenizer
@@ -60,19 +63,19 @@ class Engine:
             raise ValueError(f"model_path: {model_path!r} is not a directory")
         self.config = EngineConfig.from_kwargs(model_path, **engine_args)
         self.tokenizer = Tokenizer(self.config.tokenizer_path or model_path)
-        # Every model loads before the KV pools are sized: all their weights,
-        # and the largest step's activations, come off the memory budget.
-        self.runner = ModelRunner(self.config, allocate_kv=False)
-        drafter = load_drafter(self.config, self.runner) if proposer is None else None
-        self.runner.allocate_kv(
-            drafter.kv_bytes_per_page if drafter is not None else 0,
-            drafter.activation_bytes if drafter is not None else 0,
-        )
-        self.proposer = proposer or build_proposer(self.config, self.runner, drafter)
-        self.capture_graphs()
-        if self.proposer is not None:
-            self.proposer.profile(self.runner)
-        self.core = EngineCore(self.config, self.runner, self.tokenizer, self.proposer)
+        # Tensor parallelism: this process is rank 0; the others start first.
+        self.ranks: WorkerRanks | None = None
+        group = SINGLE
+        if self.config.parallel.tp_size > 1:
+            group, self.ranks = start_workers(self.config)
+        try:
+            self._build(proposer, group)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
+        if self.ranks is not None:
+            self.ranks.on_loss(self._rank_lost)
         mc = self.runner.model_config
         self.eos_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         self._grammar: GrammarBackend | None = None
@@ -116,6 +119,28 @@ class Engine:
             per_kind,
             self.runner.load_seconds,
         )
+
+    def _build(self, proposer: Proposer | None, group: RankGroup) -> None:
+        """The runner (this rank's shard), the proposer and the core."""
+        # Every model loads before the KV pools are sized: all their weights,
+        # and the largest step's activations, come off the memory budget.
+        self.runner = ModelRunner(self.config, allocate_kv=False, group=group)
+        drafter = load_drafter(self.config, self.runner) if proposer is None else None
+        self.runner.allocate_kv(
+            drafter.kv_bytes_per_page if drafter is not None else 0,
+            drafter.activation_bytes if drafter is not None else 0,
+        )
+        self.proposer = proposer or build_proposer(self.config, self.runner, drafter)
+        self.capture_graphs()
+        if self.proposer is not None:
+            self.proposer.profile(self.runner)
+        self.core = EngineCore(self.config, self.runner, self.tokenizer, self.proposer)
+
+    def _rank_lost(self, why: str) -> None:
+        """A worker rank exited (from the launcher's watch thread): the engine
+        stops on it at its next pump, even when idle."""
+        self._inbox.put(("fail", DistributedError(why)))
+        self._wakeup.set()
 
     def capture_graphs(self, capture: Capture | None = None) -> bool:
         """Captures the target's DECODE / VERIFY forwards and the proposer's
@@ -469,6 +494,10 @@ class Engine:
             out = self.core.add(arg)  # a finished delta if it could not be admitted
         elif kind == "abort":
             out = self.core.abort(*arg)
+        elif kind == "fail":  # a lost rank: nothing can be computed any more
+            if not self._stopping.is_set():
+                raise arg
+            return
         else:  # abort_all
             self._deliver(self._abort_all(arg, spare_probes=True))
             return
@@ -516,6 +545,10 @@ class Engine:
         with self._grammar_lock:
             if self._grammar is not None:
                 self._grammar.close()  # its compile workers
+        if self.ranks is not None:
+            # A healthy group stops on a plan; a broken one is terminated.
+            stop = self.runner.plans.send if self.error is None else None
+            self.ranks.close(stop)
 
     def _pump_commands_only(self) -> None:
         while True:

@@ -15,6 +15,7 @@ import torch
 from specserve.cache.block_pool import BlockPool
 from specserve.config import EngineConfig
 from specserve.core import FinishReason, Req, ReqStatus, ScheduledBatch, SpecStats
+from specserve.distributed import DistributedError
 from specserve.engine.output_processor import (
     OutputProcessor,
     PendingRuns,
@@ -87,6 +88,8 @@ class _Computed:
 def is_fatal(error: BaseException) -> bool:
     """Errors after which the device, and so every request, is unusable: the
     engine stops instead of failing requests one by one."""
+    if isinstance(error, DistributedError):
+        return True  # a rank is lost: no request can be computed
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(error, accelerator_error):
         return True

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -182,21 +183,45 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self.packed)
 
 
+@dataclass(frozen=True)
+class Shard:
+    """The part of a checkpoint tensor a rank loads (tensor parallelism):
+    ``length`` entries from ``start`` along ``dim``, of the ``full`` the
+    checkpoint must have."""
+
+    dim: int
+    start: int
+    length: int
+    full: int
+
+
 class MergedLinear(Linear):
     """Several projections of the same input in one matmul (q/k/v, gate/up).
 
-    The checkpoint stores each projection separately; ``load_shard`` copies one
-    of them into its row range of the fused weight.
+    The checkpoint stores each projection separately; the loader copies one
+    of them into its row range of the fused weight (``checkpoint_part``).
+    Column-parallel under tensor parallelism: ``sources`` says which rows of
+    each checkpoint projection this rank holds.
     """
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_sizes: list[int],
+        bias: bool = False,
+        sources: list[Shard] | None = None,
+    ) -> None:
         super().__init__(in_features, sum(out_sizes), bias=bias)
         self.out_sizes = list(out_sizes)
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
+        self.sources = sources
 
-    def shard_view(self, param_name: str, shard: int) -> torch.Tensor:
+    def checkpoint_part(self, param_name: str, part: int) -> tuple[torch.Tensor, Shard | None]:
+        """The rows of the fused ``param_name`` that checkpoint projection
+        ``part`` fills, and the slice of it they take (None: all of it)."""
         param = self.weight if param_name == "weight" else self.bias
-        return param.data.narrow(0, self.offsets[shard], self.out_sizes[shard])
+        view = param.data.narrow(0, self.offsets[part], self.out_sizes[part])
+        return view, None if self.sources is None else self.sources[part]
 
 
 class FusedLinears:

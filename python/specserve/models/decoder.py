@@ -10,25 +10,42 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.distributed import SINGLE, RankGroup
 from specserve.layers.activation import gated_act, get_activation
 from specserve.layers.attention import AttentionBackend, AttentionMetadata
-from specserve.layers.linear import Linear, LogitsHead, MergedLinear
+from specserve.layers.linear import MergedLinear, Shard
 from specserve.layers.norm import RMSNorm, rms_norm
+from specserve.layers.parallel import (
+    HeadSplit,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    split,
+)
 from specserve.layers.rotary import RotaryEmbedding
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    """This rank's attention heads (all of them at one rank)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, group: RankGroup) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
+        heads = HeadSplit.of(cfg.num_attention_heads, cfg.num_key_value_heads, group)
+        self.num_heads, self.num_kv_heads = heads.q_count, heads.kv_count
+        d = self.head_dim = cfg.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        q_full, kv_full = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        q_rows = Shard(0, heads.q_start * d, q_size, q_full)
+        kv_rows = Shard(0, heads.kv_start * d, kv_size, kv_full)
         self.qkv_proj = MergedLinear(
-            cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias
+            cfg.hidden_size,
+            [q_size, kv_size, kv_size],
+            bias=cfg.attention_bias,
+            sources=[q_rows, kv_rows, kv_rows] if group.size > 1 else None,
         )
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.o_proj = RowParallelLinear(
+            q_full, cfg.hidden_size, cfg.attention_bias, group, "num_attention_heads x head_dim"
+        )
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.eps = cfg.rms_norm_eps
@@ -68,11 +85,20 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, group: RankGroup) -> None:
         super().__init__()
-        inter = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], bias=cfg.mlp_bias)
-        self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        full = cfg.intermediate_size
+        start, inter = split(full, group, "intermediate_size")
+        rows = Shard(0, start, inter, full)
+        self.gate_up_proj = MergedLinear(
+            cfg.hidden_size,
+            [inter, inter],
+            bias=cfg.mlp_bias,
+            sources=[rows, rows] if group.size > 1 else None,
+        )
+        self.down_proj = RowParallelLinear(
+            full, cfg.hidden_size, cfg.mlp_bias, group, "intermediate_size"
+        )
         self.act = get_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,10 +106,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, group: RankGroup) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, rotary)
-        self.mlp = DecoderMLP(cfg)
+        self.self_attn = DecoderAttention(cfg, rotary, group)
+        self.mlp = DecoderMLP(cfg, group)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -104,18 +130,19 @@ def after_attention(layer: DecoderLayer, h: torch.Tensor, o: torch.Tensor) -> to
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_position: int, group: RankGroup) -> None:
         super().__init__()
         self.rotary = rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_position)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
         self.layers = nn.ModuleList(
-            [DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers)]
+            [DecoderLayer(cfg, rotary, group) for _ in range(cfg.num_hidden_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DecoderForCausalLM(nn.Module):
-    """``model.*`` body + ``lm_head`` (tied to the embedding when the config says so)."""
+    """``model.*`` body + ``lm_head`` (tied to the embedding when the config
+    says so): this rank's shard of them (``group``; the whole at one rank)."""
 
     # Fused parameter -> the checkpoint projections stored in it, in order.
     packed_modules = {
@@ -123,11 +150,14 @@ class DecoderForCausalLM(nn.Module):
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
 
-    def __init__(self, cfg: ModelConfig, max_position: int | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_position: int | None = None, group: RankGroup = SINGLE
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderBody(cfg, max_position or cfg.max_position_embeddings)
-        self.lm_head = LogitsHead(cfg.hidden_size, cfg.vocab_size)
+        self.group = group
+        self.model = DecoderBody(cfg, max_position or cfg.max_position_embeddings, group)
+        self.lm_head = VocabParallelHead(cfg.hidden_size, cfg.vocab_size, group)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # The layers' dense parts, eager unless ``compile_dense`` replaces them.
@@ -171,8 +201,10 @@ class DecoderForCausalLM(nn.Module):
             attn.post_load()
             for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 lin.post_load()
+        self.model.embed_tokens.post_load()
         self.lm_head.post_load()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[R, d]`` -> float32 logits ``[R, V]`` (accumulated in float32)."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``[R, d]`` -> float32 logits ``[R, V]`` (accumulated in float32);
+        under tensor parallelism gathered on rank 0 (None on the others)."""
+        return self.lm_head.gather(self.lm_head(hidden))

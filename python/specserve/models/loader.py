@@ -12,7 +12,8 @@ from safetensors import safe_open
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.layers.linear import MergedLinear
+from specserve.distributed import SINGLE, RankGroup
+from specserve.layers.linear import MergedLinear, Shard
 from specserve.models.decoder import DecoderForCausalLM
 from specserve.models.registry import resolve_model_class
 
@@ -55,12 +56,49 @@ def checkpoint_files(model_path: str) -> list[str]:
     return [os.path.join(model_path, name) for name in files]
 
 
-def iter_checkpoint(files: list[str]) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(file, key, tensor) for every tensor of the checkpoint."""
+def iter_checkpoint(
+    files: list[str], shards: dict[str, Shard] | None = None
+) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(file, key, tensor) for every tensor of the checkpoint; a key in
+    ``shards`` is read as that slice only (the rest of it never leaves the
+    file)."""
+    shards = shards or {}
     for path in files:
         with safe_open(path, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield path, key, f.get_tensor(key)
+                shard = shards.get(key)
+                yield (
+                    path,
+                    key,
+                    f.get_tensor(key) if shard is None else read_shard(f, path, key, shard),
+                )
+
+
+def read_tensors(files: list[str], keys: set[str]) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors named ``keys`` (only those are read)."""
+    out = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for key in keys & set(f.keys()):
+                out[key] = f.get_tensor(key)
+    missing = sorted(keys - set(out))
+    if missing:
+        raise ValueError(f"{os.path.dirname(files[0])}: missing tensor(s) {missing}")
+    return out
+
+
+def read_shard(f, path: str, key: str, shard: Shard) -> torch.Tensor:
+    """``shard`` of tensor ``key`` of the open safetensors file ``f``."""
+    part = f.get_slice(key)
+    shape = part.get_shape()
+    if shard.dim >= len(shape) or shape[shard.dim] != shard.full:
+        raise ValueError(
+            f"{path}: tensor {key!r} has shape {tuple(shape)}, config.json implies "
+            f"{shard.full} along dimension {shard.dim}"
+        )
+    index = [slice(None)] * len(shape)
+    index[shard.dim] = slice(shard.start, shard.start + shard.length)
+    return part[tuple(index)]
 
 
 def load_model(
@@ -69,12 +107,19 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     max_position: int | None = None,
+    group: RankGroup = SINGLE,
 ) -> DecoderForCausalLM:
+    """The model of ``cfg`` from ``model_path``: this rank's shard of it
+    under tensor parallelism (``group``), read slice by slice."""
     cls = resolve_model_class(cfg.architecture)
+    if group.size > 1 and not issubclass(cls, DecoderForCausalLM):
+        raise ValueError(
+            f"tp_size: {cfg.architecture} does not split over ranks yet (Llama and Qwen3 do)"
+        )
     # Build without initialising (every parameter is overwritten by the
     # checkpoint), straight in the target dtype: no float32 copy ever exists.
     with torch.device("meta"):
-        model = cls(cfg, max_position)
+        model = cls(cfg, max_position) if group.size == 1 else cls(cfg, max_position, group)
     model = keep_fp32_(materialize(model, dtype, device))
     if cfg.tie_word_embeddings and hasattr(model, "lm_head"):
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -106,24 +151,41 @@ def load_weights(model: DecoderForCausalLM, files: list[str]) -> None:
 
 
 def checkpoint_targets(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Checkpoint key -> the tensor it fills. Fused projections
-    (``model.packed_modules``) take their checkpoint parts shard by shard; a
-    model with its own layout says so itself (``model.checkpoint_targets``)."""
+    """Checkpoint key -> the tensor it fills."""
+    return checkpoint_layout(model)[0]
+
+
+def checkpoint_layout(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Shard]]:
+    """Checkpoint key -> the tensor it fills, and the keys of which this
+    rank reads a slice (tensor parallelism) -> that slice. Fused projections
+    (``model.packed_modules``) take their checkpoint parts one by one; a
+    module with a split weight says which part it holds
+    (``checkpoint_part``); a model with its own layout says so itself
+    (``model.checkpoint_targets``)."""
     if hasattr(model, "checkpoint_targets"):
-        return model.checkpoint_targets()
+        return model.checkpoint_targets(), {}
     packed = getattr(model, "packed_modules", {})
     modules = dict(model.named_modules())
     expected: dict[str, torch.Tensor] = {}
+    shards: dict[str, Shard] = {}
+
+    def add(key: str, dest: torch.Tensor, shard: Shard | None) -> None:
+        expected[key] = dest
+        if shard is not None:
+            shards[key] = shard
+
     for name, param in model.named_parameters():
         module_name, _, attr = name.rpartition(".")
         module = modules[module_name]
         if isinstance(module, MergedLinear):
             parent, _, fused = module_name.rpartition(".")
-            for shard, part in enumerate(packed[fused]):
-                expected[f"{parent}.{part}.{attr}"] = module.shard_view(attr, shard)
+            for i, part in enumerate(packed[fused]):
+                add(f"{parent}.{part}.{attr}", *module.checkpoint_part(attr, i))
+        elif hasattr(module, "checkpoint_part"):
+            add(name, *module.checkpoint_part(attr))
         else:
-            expected[name] = param.data
-    return expected
+            add(name, param.data, None)
+    return expected, shards
 
 
 def dequantize_fp8(
@@ -178,12 +240,15 @@ def load_state(
     """Fills every parameter of ``model`` from ``files``; keys in ``skip`` are
     neither expected nor loaded; FP8 block-scaled weights (``fp8_block``) are
     dequantised into the parameter's dtype. Errors name the file and the key."""
-    expected = {k: v for k, v in checkpoint_targets(model).items() if k not in skip}
+    targets, shards = checkpoint_layout(model)
+    expected = {k: v for k, v in targets.items() if k not in skip}
+    if shards and fp8_block is not None:
+        raise ValueError("tp_size: FP8 block-scaled checkpoints do not split over ranks yet")
     scales = _scales(files) if fp8_block is not None else {}
     rename = getattr(model, "checkpoint_key", None)
     loaded: set[str] = set()
     left_out = 0
-    for path, key, tensor in iter_checkpoint(files):
+    for path, key, tensor in iter_checkpoint(files, shards):
         if key.endswith(_IGNORED_SUFFIXES) or key in skip:
             continue
         if fp8_block is not None and scaled_weight(key) is not None:

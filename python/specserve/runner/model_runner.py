@@ -13,6 +13,8 @@ from specserve.cache.block_pool import CacheGroup, cache_groups
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig, ModelConfig
 from specserve.core import BatchEntry, ScheduledBatch
+from specserve.distributed import SINGLE, RankGroup
+from specserve.distributed.plan import PlanChannel
 from specserve.layers.attention import (
     AttentionBackend,
     TritonAttentionBackend,
@@ -26,6 +28,7 @@ from specserve.layers.compressed_attention import (
     describe_kv,
 )
 from specserve.layers.linear import cpu_matmul_path
+from specserve.layers.parallel import HeadSplit
 from specserve.models.loader import load_model
 from specserve.runner.cuda_graph_runner import Capture, CudaGraphRunner, cuda_graph_capture
 from specserve.runner.input_builder import build_inputs
@@ -35,7 +38,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [R, V] float32: the entries' logit rows, in entry order
+    # [R, V] float32: the entries' logit rows, in entry order (None on the
+    # worker ranks of a tensor-parallel group: rank 0 samples).
+    logits: torch.Tensor | None
     row_offsets: list[int]  # first logits row of each entry; len(entries) + 1 values
     # Outputs of batch.capture_layer_ids, concatenated per token: [T, m * d].
     captured: torch.Tensor | None = None
@@ -48,20 +53,34 @@ class ModelRunner:
         model_config: ModelConfig | None = None,
         extra_kv_bytes_per_page: int = 0,
         allocate_kv: bool = True,
+        group: RankGroup = SINGLE,
     ) -> None:
         """``extra_kv_bytes_per_page``: what a page costs elsewhere (a drafter's
         KV pool of the same page count), counted in the memory budget. With
         ``allocate_kv`` False only the model loads; ``allocate_kv()`` sizes
-        the pool later, once every other model is loaded too."""
+        the pool later, once every other model is loaded too. ``group``:
+        the tensor-parallel group this runner is one rank of (its shard of
+        the model, its heads' KV); rank 0 sends each forward's plan to the
+        others (``serve_plans``)."""
         self.config = config
+        self.group = group
+        self.plans = PlanChannel(group)
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.model_config = model_config or ModelConfig.from_path(config.model_path)
         self.context_length = config.context_length or self.model_config.max_position_embeddings
         start = time.perf_counter()
         self.model = load_model(
-            config.model_path, self.model_config, self.dtype, self.device, self.context_length
+            config.model_path,
+            self.model_config,
+            self.dtype,
+            self.device,
+            self.context_length,
+            group,
         )
+        mc = self.model_config
+        # This rank's attention heads (all of them at one rank).
+        self.heads = HeadSplit.of(mc.num_attention_heads, mc.num_key_value_heads, group)
         if self.device.type == "cpu":
             logger.info("CPU linears: %s", cpu_matmul_path(self.dtype))
         if config.enable_torch_compile:
@@ -81,13 +100,16 @@ class ModelRunner:
         if mc.deepseek_v4 is not None:
             self._allocate_compressed(extra_bytes_per_page, reserve)
             return
-        self.num_pages = self._kv_capacity_pages(extra_bytes_per_page, reserve)
+        # Every rank sizes its pool from its own memory; they all take the smallest.
+        self.num_pages = self.group.agree_min(
+            self._kv_capacity_pages(extra_bytes_per_page, reserve)
+        )
         self.group_pages = [self.num_pages]
         self.page_bytes = [
             KVPool.bytes_per_page(
                 mc.num_hidden_layers,
                 self.page_size,
-                mc.num_key_value_heads,
+                self.heads.kv_count,
                 mc.head_dim,
                 self.dtype,
             )
@@ -99,20 +121,22 @@ class ModelRunner:
             mc.num_hidden_layers,
             self.num_pages + 1,
             self.page_size,
-            mc.num_key_value_heads,
+            self.heads.kv_count,
             mc.head_dim,
             self.dtype,
             self.device,
         )
         self.attn_backend: AttentionBackend = make_attention_backend(
-            self.config.attention_backend, self.kv_pool, mc.num_attention_heads, self.device
+            self.config.attention_backend, self.kv_pool, self.heads.q_count, self.device
         )
 
     def graphs_apply(self) -> bool:
         """Whether ``capture_graphs`` captures CUDA graphs: on CUDA with the
-        Triton attention backend, unless ``disable_cuda_graph``."""
+        Triton attention backend, unless ``disable_cuda_graph``; not yet under
+        tensor parallelism (its collectives run eagerly)."""
         return (
             not self.config.disable_cuda_graph
+            and self.group.size == 1
             and self.device.type == "cuda"
             and isinstance(self.attn_backend, TritonAttentionBackend)
         )
@@ -182,7 +206,7 @@ class ModelRunner:
             return cache.max_total_tokens // self.page_size
         mc = self.model_config
         per_page = extra_bytes_per_page + KVPool.bytes_per_page(
-            mc.num_hidden_layers, self.page_size, mc.num_key_value_heads, mc.head_dim, self.dtype
+            mc.num_hidden_layers, self.page_size, self.heads.kv_count, mc.head_dim, self.dtype
         )
         budget = self._kv_budget(reserve_bytes)
         if self.device.type != "cuda":
@@ -243,6 +267,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> ForwardOutput:
+        """The batch's forward (on every rank of the group: its plan goes
+        out first)."""
+        self.plans.send(batch)
+        return self._forward(batch)
+
+    def serve_plans(self) -> None:
+        """A worker rank: runs rank 0's forwards until it stops."""
+        while (batch := self.plans.recv()) is not None:
+            self._forward(batch)
+
+    @torch.inference_mode()
+    def _forward(self, batch: ScheduledBatch) -> ForwardOutput:
         offsets = [0]
         for e in batch.entries:
             offsets.append(offsets[-1] + len(e.logit_rows))

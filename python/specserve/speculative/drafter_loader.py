@@ -14,7 +14,14 @@ import torch
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig
 from specserve.models.deepseek_v4 import pack_weights
-from specserve.models.loader import checkpoint_files, keep_fp32_, load_state, materialize
+from specserve.models.loader import (
+    checkpoint_files,
+    checkpoint_targets,
+    keep_fp32_,
+    load_state,
+    materialize,
+    read_tensors,
+)
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.block_drafter import BlockDrafter
 from specserve.speculative.dspark_model import DSparkConfig, DSparkDraftModel
@@ -125,11 +132,15 @@ def load_draft_model(
     model = materialize(model, runner.dtype, runner.device)
     target = runner.model
     skip: set[str] = set()
+    if runner.group.size > 1:
+        # The target's are split over the ranks; the drafter runs on rank 0
+        # alone, with whole copies of them read from the target checkpoint.
+        skip |= load_target_vocab(model, runner)
     # The drafter's embedding and lm_head are copies of the target's: share them.
-    if model.embed_tokens.weight.shape == target.model.embed_tokens.weight.shape:
+    elif model.embed_tokens.weight.shape == target.model.embed_tokens.weight.shape:
         model.embed_tokens = target.model.embed_tokens
         skip.add("embed_tokens.weight")
-    if model.lm_head.weight.shape == target.lm_head.weight.shape:
+    if runner.group.size == 1 and model.lm_head.weight.shape == target.lm_head.weight.shape:
         model.lm_head = target.lm_head
         skip.add("lm_head.weight")
     load_state(
@@ -137,6 +148,25 @@ def load_draft_model(
     )
     model.post_load()
     return model.requires_grad_(False).eval()
+
+
+def load_target_vocab(model: DSparkDraftModel, runner: ModelRunner) -> set[str]:
+    """Fills the drafter's embedding and lm_head with the target's whole
+    ones where they are the target's shape; returns the keys so filled."""
+    tcfg = runner.model_config
+    keys = {"embed_tokens.weight": "model.embed_tokens.weight"}
+    keys["lm_head.weight"] = (
+        "model.embed_tokens.weight" if tcfg.tie_word_embeddings else "lm_head.weight"
+    )
+    dests = {k: d for k, d in checkpoint_targets(model).items() if k in keys}
+    wanted = {
+        keys[k]: d for k, d in dests.items() if d.shape == (tcfg.vocab_size, tcfg.hidden_size)
+    }
+    for key, tensor in read_tensors(
+        checkpoint_files(runner.config.model_path), set(wanted)
+    ).items():
+        wanted[key].copy_(tensor)
+    return {k for k in dests if keys[k] in wanted}
 
 
 def load_v4_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:

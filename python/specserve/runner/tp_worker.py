@@ -1,0 +1,71 @@
+"""A worker rank of a tensor-parallel group: loads its shard of the target,
+sizes its KV pool with the others, then runs rank 0's forwards until rank 0
+stops it (or goes away)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+
+import torch
+
+from specserve.config import EngineConfig
+from specserve.distributed.group import RankGroup, connect
+from specserve.distributed.launcher import WorkerRanks, exit_with_parent, free_addr
+
+logger = logging.getLogger(__name__)
+
+
+def run_worker(rank: int, size: int, addr: str, config: EngineConfig, log_level: int) -> None:
+    """The worker process's main (``WorkerRanks`` spawns it). Any error ends
+    the process with a non-zero exit: rank 0 sees its collectives fail and
+    its watch report the exit, and stops."""
+    logging.basicConfig(
+        level=log_level, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s"
+    )
+    exit_with_parent()
+    # The ranks share the machine's cores.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    try:
+        from specserve.runner.model_runner import ModelRunner
+
+        device = torch.device(config.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            config = _on_device(config, str(device))
+        group = connect(rank, size, addr, device, config.parallel.dist_timeout)
+        runner = ModelRunner(config, group=group, allocate_kv=False)
+        runner.allocate_kv()
+        logger.info("rank %d of %d: serving its shard", rank, size)
+        runner.serve_plans()
+    except BaseException:
+        logger.exception("rank %d of %d failed", rank, size)
+        sys.stderr.flush()
+        os._exit(1)
+    # Gloo's threads may still hold the groups: leave without tearing them down.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _on_device(config: EngineConfig, device: str) -> EngineConfig:
+    return dataclasses.replace(config, device=device)
+
+
+def start_workers(config: EngineConfig) -> tuple[RankGroup, WorkerRanks]:
+    """Rank 0's side of start-up: spawns ranks 1..tp_size-1 and joins the
+    group with them (rank 0 stays in this process)."""
+    par = config.parallel
+    addr = par.dist_init_addr or free_addr()
+    level = logging.getLogger("specserve").getEffectiveLevel()
+    ranks = WorkerRanks(run_worker, range(1, par.tp_size), par.tp_size, addr, (config, level))
+    try:
+        group = connect(
+            0, par.tp_size, addr, torch.device(config.device), par.dist_timeout, ranks.lost
+        )
+    except BaseException:
+        ranks.close()
+        raise
+    return group, ranks
