@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection
 import os
+import signal
 import socket
 import threading
 import time
@@ -102,20 +103,17 @@ class WorkerRanks:
         else:
             try:
                 stop(None)
-            except Exception:
-                logger.warning("could not stop the worker ranks; terminating them", exc_info=True)
+            except Exception as e:
+                logger.warning("could not stop the worker ranks (%s); killing them", e)
                 timeout = 0.0
         deadline = time.monotonic() + timeout
         for p in self.procs.values():
             p.join(timeout=max(0.0, deadline - time.monotonic()))
+        # Workers ignore SIGTERM (rank 0 ends them): a kill it is.
         for p in self.procs.values():
-            if p.is_alive():
-                p.terminate()
-        for p in self.procs.values():
-            p.join(timeout=5)
             if p.is_alive():
                 p.kill()
-                p.join()
+            p.join()
 
     @property
     def pids(self) -> dict[int, int | None]:
@@ -123,8 +121,12 @@ class WorkerRanks:
 
 
 def exit_with_parent(poll: float = 0.5) -> None:
-    """In a worker: exits the process as soon as its parent (rank 0) is gone,
-    even while a collective blocks the main thread."""
+    """In a worker: leaves its end to rank 0 and exits the process as soon as
+    its parent (rank 0) is gone, even while a collective blocks the main
+    thread. A Ctrl-C or SIGTERM to the server's process group stops rank 0,
+    which stops its workers in order: they ignore both signals."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
 
     def watch() -> None:

@@ -17,6 +17,7 @@ from specserve.config import (
     CacheConfig,
     EngineConfig,
     LimitsConfig,
+    ParallelConfig,
     SchedulerConfig,
     ServerConfig,
     SpecConfig,
@@ -138,6 +139,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=SchedulerConfig.chunked_prefill_size,
         help="most prompt tokens prefilled per step",
+    )
+    par = parser.add_argument_group("parallelism (docs/parallelism.md)")
+    par.add_argument(
+        "--tp-size",
+        type=int,
+        default=ParallelConfig.tp_size,
+        help="tensor-parallel ranks: the model split over this many processes (devices)",
+    )
+    par.add_argument(
+        "--dist-init-addr",
+        default=None,
+        help="host:port where the ranks meet (default: a free port on 127.0.0.1)",
+    )
+    par.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=ParallelConfig.dist_timeout,
+        help="seconds a forward waits for another rank before the server stops on it "
+        f"({ParallelConfig.dist_timeout:g})",
     )
     lim = parser.add_argument_group("request limits (a request over one gets a 400)")
     for name, default, help in (
@@ -295,7 +315,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Engine keyword arguments from parsed flags (unset optional flags dropped)."""
     names = {
         f.name
-        for cls in (EngineConfig, CacheConfig, SchedulerConfig, LimitsConfig)
+        for cls in (EngineConfig, CacheConfig, SchedulerConfig, LimitsConfig, ParallelConfig)
         for f in dataclasses.fields(cls)
     } | set(SPEC_ARG_NAMES)
     names -= {"model_path", *SUB_CONFIGS}

@@ -1,0 +1,89 @@
+"""A tensor-parallel worker rank that is killed, hangs or raises ends the
+engine, not silently: the requests in flight get an error, new ones are
+refused, the server exits non-zero within seconds, and no rank is left
+behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from models_zoo import model_path
+from process_helpers import HAS_PROC, exited, wait_exited
+from server_harness import running_server
+from specserve import Engine
+from specserve.engine.engine import EngineStopped
+
+pytestmark = pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
+
+LONG = {"max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+
+
+def _worker_pid(server_pid: int) -> int:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == server_pid and "spawn_main" in cmd:
+            return int(entry)
+    raise AssertionError("no worker rank found")
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_server_stops_on_a_lost_rank(tmp_path, fault) -> None:
+    flags = ["--tp-size", "2", "--dist-timeout", "3", "--grammar-backend", "none"]
+    with running_server(model_path("qwen3"), *flags, log_dir=str(tmp_path)) as server:
+        worker = _worker_pid(server.proc.pid)
+        replies: list[httpx.Response] = []
+        body = {"prompt": "def f(n):", **LONG}
+        client = threading.Thread(
+            target=lambda: replies.append(server.http.post("/v1/completions", json=body))
+        )
+        client.start()
+        time.sleep(1.0)  # the request is decoding
+        os.kill(worker, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        start = time.monotonic()
+        client.join(timeout=30)
+        assert replies and replies[0].status_code == 500, replies
+        assert "tensor-parallel rank" in replies[0].json()["error"]["message"]
+        code = server.proc.wait(timeout=30)
+        took = time.monotonic() - start
+        assert code != 0, server.log()
+        assert took < 20, took  # seconds: the dist timeout (3 s) and the shutdown
+        wait_exited(worker, timeout=10)
+
+
+def test_a_raising_rank_stops_the_engine() -> None:
+    """A worker that fails (here on a plan with the wrong step id, which it
+    must refuse) exits non-zero; the engine stops on it while idle."""
+    eng = Engine(model_path=model_path("qwen3"), device="cpu", tp_size=2, max_total_tokens=1024)
+    try:
+        (worker,) = eng.ranks.pids.values()
+        out = eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
+        assert len(out["output_ids"]) == 2
+        bad = torch.tensor([eng.runner.plans.step_id + 5, 1, 0], dtype=torch.int64)
+        eng.runner.group.broadcast_control(bad)
+        wait_exited(worker, timeout=10)
+        deadline = time.monotonic() + 10
+        while eng.error is None:
+            assert time.monotonic() < deadline, "the engine did not stop"
+            eng._pump()  # an offline engine steps on its callers' thread
+            time.sleep(0.05)
+        assert "rank 1 exited (exit code 1)" in eng.error
+        with pytest.raises(EngineStopped):
+            eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
+    finally:
+        eng.shutdown()
+    assert exited(worker)

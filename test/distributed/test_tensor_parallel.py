@@ -1,0 +1,213 @@
+"""Tensor parallelism on 2 gloo ranks (this process and one spawned worker)
+against one rank of the same checkpoint: greedy ids equal, logprobs, top-k
+and requested ids within 1e-5, seeded sampling equal, grammar-constrained
+output equal, for plain decoding and every speculative algorithm, on Qwen3
+and Llama (tied embeddings, one KV head replicated over the ranks, a
+vocabulary that does not divide by the ranks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from models_zoo import model_path, random_prompts
+from specserve import Engine
+from specserve.tools.tiny_model import make_tiny_dspark, make_tiny_model
+
+PROMPTS = random_prompts(4, [3, 17, 40, 9], seed=7) + [[7, 8, 9, 10] * 6]
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 4}},
+    "required": ["a", "b"],
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-models")
+    qwen3 = model_path("qwen3")
+    return {
+        "qwen3": qwen3,
+        "llama-tied": model_path("llama-tied"),
+        # One KV head (replicated on both ranks), 527 ids (one padding row).
+        "llama-1kv": make_tiny_model(
+            str(root / "llama-1kv"), "llama", num_kv_heads=1, extra_vocab=15, seed=4
+        ),
+        "vanilla": make_tiny_dspark(str(root / "v"), qwen3, markov_head_type="vanilla"),
+        "gated": make_tiny_dspark(str(root / "g"), qwen3, markov_head_type="gated", seed=1),
+        "rnn": make_tiny_dspark(str(root / "r"), qwen3, markov_head_type="rnn", seed=2),
+        "dflash": make_tiny_dspark(
+            str(root / "d"), qwen3, markov_rank=0, confidence_head=False, seed=3
+        ),
+    }
+
+
+def _dspark(drafter: str, **kw) -> dict:
+    return {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": drafter, **kw}
+
+
+CASES = {
+    "qwen3-plain": ("qwen3", lambda m: {}),
+    "llama-tied-plain": ("llama-tied", lambda m: {}),
+    "llama-1kv-plain": ("llama-1kv", lambda m: {}),
+    "dspark-vanilla": ("qwen3", lambda m: _dspark(m["vanilla"])),
+    "dspark-gated": ("qwen3", lambda m: _dspark(m["gated"])),
+    "dspark-rnn-ngram-first": (
+        "qwen3",
+        lambda m: _dspark(m["rnn"], speculative_ngram_first=True),
+    ),
+    "dflash": (
+        "qwen3",
+        lambda m: {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": m["dflash"]},
+    ),
+    "ngram": ("llama-1kv", lambda m: {"speculative_algorithm": "NGRAM"}),
+}
+
+
+def _run(eng: Engine) -> dict:
+    """Every kind of request, in batches: greedy with prompt and output
+    logprobs (top-k and requested ids), seeded sampling, a JSON schema."""
+    greedy = eng.generate(
+        input_ids=PROMPTS,
+        sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=3,
+        token_ids_logprob=[0, 5, 77],
+    )
+    sampled = eng.generate(
+        input_ids=PROMPTS,
+        sampling_params=[
+            {"temperature": 0.8, "top_p": 0.9, "seed": 11 + i, "max_new_tokens": 12}
+            for i in range(len(PROMPTS))
+        ],
+    )
+    grammar = eng.generate(
+        input_ids=PROMPTS[:2],
+        sampling_params={"json_schema": json.dumps(SCHEMA), "max_new_tokens": 40},
+    )
+    return {"greedy": greedy, "sampled": sampled, "grammar": grammar}
+
+
+def _entries(out: dict, key: str) -> list:
+    return out["meta_info"][key] or []
+
+
+def _assert_close_logprobs(a: dict, b: dict) -> None:
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        ea, eb = _entries(a, key), _entries(b, key)
+        assert [e[1] for e in ea] == [e[1] for e in eb]
+        for x, y in zip(ea, eb):
+            if x[0] is None:
+                assert y[0] is None
+            else:
+                assert x[0] == pytest.approx(y[0], abs=1e-5)
+    for key in ("output_top_logprobs", "output_token_ids_logprobs"):
+        for ra, rb in zip(_entries(a, key), _entries(b, key)):
+            assert [e[1] for e in ra] == [e[1] for e in rb]  # the same ids, in order
+            assert [e[0] for e in ra] == pytest.approx([e[0] for e in rb], abs=1e-5)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_equals_tp1(models, case) -> None:
+    model, spec = CASES[case]
+    kw = dict(device="cpu", max_total_tokens=4096, page_size=4, **spec(models))
+    with Engine(model_path=models[model], **kw) as one:
+        want = _run(one)
+    with Engine(model_path=models[model], tp_size=2, **kw) as two:
+        assert two.runner.group.size == 2
+        got = _run(two)
+        assert two.free_pages() == two.total_pages()
+    for a, b in zip(want["greedy"], got["greedy"]):
+        assert a["output_ids"] == b["output_ids"]
+        _assert_close_logprobs(a, b)
+    assert [o["output_ids"] for o in got["sampled"]] == [o["output_ids"] for o in want["sampled"]]
+    assert [o["text"] for o in got["grammar"]] == [o["text"] for o in want["grammar"]]
+    for o in got["grammar"]:
+        if o["meta_info"]["finish_reason"]["type"] == "stop":
+            json.loads(o["text"], strict=False)  # complete output parses
+    if spec(models):
+        assert got["greedy"][0]["meta_info"]["spec_verify_ct"] > 0
+
+
+def test_shards_hold_their_slices(models) -> None:
+    """Each rank's weights are its slice of the checkpoint's (read from
+    the files by an independent reader), the padding rows zero."""
+    from safetensors.torch import load_file
+
+    from specserve.config import ModelConfig
+    from specserve.distributed import RankGroup
+    from specserve.models.loader import checkpoint_files, load_model
+
+    path = models["llama-1kv"]
+    full: dict[str, torch.Tensor] = {}
+    for f in checkpoint_files(path):
+        full.update(load_file(f))
+    cfg = ModelConfig.from_path(path)
+    d, v = cfg.head_dim, cfg.vocab_size
+    for rank in (0, 1):
+        # A group of 2 that no collective is asked of: loading runs none.
+        model = load_model(path, cfg, torch.float32, "cpu", 64, RankGroup(rank, 2))
+        attn = model.model.layers[0].self_attn
+        q_rows = cfg.num_attention_heads // 2 * d
+        q = full["model.layers.0.self_attn.q_proj.weight"][rank * q_rows : (rank + 1) * q_rows]
+        k = full["model.layers.0.self_attn.k_proj.weight"]  # one KV head: every rank has it
+        w = attn.qkv_proj.weight
+        assert torch.equal(w[:q_rows], q) and torch.equal(w[q_rows : q_rows + d], k)
+        o = full["model.layers.0.self_attn.o_proj.weight"][:, rank * q_rows : (rank + 1) * q_rows]
+        assert torch.equal(attn.o_proj.weight, o)
+        inter = cfg.intermediate_size // 2
+        down = full["model.layers.0.mlp.down_proj.weight"][:, rank * inter : (rank + 1) * inter]
+        assert torch.equal(model.model.layers[0].mlp.down_proj.weight, down)
+        per = -(-v // 2)
+        emb = model.model.embed_tokens.weight
+        assert emb.shape[0] == per
+        real = min(per, v - rank * per)
+        assert torch.equal(
+            emb[:real], full["model.embed_tokens.weight"][rank * per : rank * per + real]
+        )
+        assert not emb[real:].any()
+        head = full["lm_head.weight"][rank * per : rank * per + real]
+        assert torch.equal(model.lm_head.weight[:real], head)
+
+
+def test_shard_loading_reads_only_slices(models, monkeypatch) -> None:
+    """Under tensor parallelism no split tensor is read whole."""
+    from safetensors import safe_open
+
+    from specserve.config import ModelConfig
+    from specserve.distributed import RankGroup
+    from specserve.models import loader
+
+    read_whole: list[str] = []
+
+    class Spy:
+        def __init__(self, path, framework):
+            self.f = safe_open(path, framework=framework)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, key):
+            read_whole.append(key)
+            return self.inner.get_tensor(key)
+
+        def get_slice(self, key):
+            return self.inner.get_slice(key)
+
+    monkeypatch.setattr(loader, "safe_open", Spy)
+    path = models["qwen3"]
+    cfg = ModelConfig.from_path(path)
+    loader.load_model(path, cfg, torch.float32, "cpu", 64, RankGroup(1, 2))
+    split = ("proj.weight", "embed_tokens.weight", "lm_head.weight")
+    assert read_whole and not [k for k in read_whole if k.endswith(split)]
+    assert all("norm" in k for k in read_whole)  # only the replicated norms
