@@ -1,11 +1,15 @@
-"""Offline throughput: specserve vs transformers ``generate()`` on one checkpoint.
+"""Offline throughput: specserve vs transformers ``generate()`` on one checkpoint
+(or, with ``--tp-size N``, specserve over N tensor-parallel ranks vs one).
 
 Same prompts, greedy, exactly ``--output-len`` new tokens per prompt on both
 sides (EOS ignored), interleaved repetitions in one process; prints output
-tokens/s per side and their ratio at each batch size.
+tokens/s per side and their ratio at each batch size. ``--tp-size`` also
+prints each rank's weight bytes and peak memory, and checks that both sides
+produced the same tokens.
 
     python benchmark/bench_offline.py                       # builds a small random Qwen3
     python benchmark/bench_offline.py --model-path DIR --batch-sizes 1 32
+    python benchmark/bench_offline.py --tp-size 2           # TP=2 vs TP=1 (gloo on the CPU)
 """
 
 from __future__ import annotations
@@ -35,8 +39,26 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--tp-size", type=int, default=1, help="> 1: specserve at this TP size vs TP=1")
     p.add_argument("--output-json", default=None)
     return p.parse_args()
+
+
+def peak_rss_mib(pid: int) -> float | None:
+    """A process's peak resident memory (Linux's VmHWM), MiB."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def weight_mib(engine) -> float:
+    model = engine.runner.model
+    return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
 
 
 def build_model(args: argparse.Namespace) -> str:
@@ -69,6 +91,8 @@ def main() -> int:
     if not os.path.isfile(os.path.join(path, "config.json")):
         print(f"bench_offline: no checkpoint at {path}", file=sys.stderr)
         return 1
+    if args.tp_size > 1:
+        return compare_tp(args, path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     max_bs = max(args.batch_sizes)
     engine = Engine(
@@ -132,6 +156,74 @@ def main() -> int:
         with open(args.output_json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)
     return 0
+
+
+def compare_tp(args: argparse.Namespace, path: str) -> int:
+    """specserve at ``--tp-size`` ranks vs one rank, interleaved."""
+    from specserve import Engine
+
+    max_bs = max(args.batch_sizes)
+    kw = dict(
+        model_path=path,
+        device="cpu",
+        max_running_requests=max_bs,
+        max_total_tokens=max_bs * (args.input_len + args.output_len + 16),
+    )
+    one = Engine(**kw)
+    many = Engine(tp_size=args.tp_size, **kw)
+    vocab = min(one.runner.vocab_size, len(one.tokenizer))
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(4, vocab, (max_bs, args.input_len), generator=g).tolist()
+    sp = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
+
+    def run(engine, bs: int) -> tuple[float, list[list[int]]]:
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=prompts[:bs], sampling_params=sp)
+        elapsed = time.perf_counter() - start
+        return bs * args.output_len / elapsed, [o["output_ids"] for o in outs]
+
+    rows = []
+    for bs in args.batch_sizes:
+        _, want = run(one, bs)  # warm-up both sides once
+        _, got = run(many, bs)
+        same = got == want
+        t1, tn = [], []
+        for _ in range(args.repeats):
+            t1.append(run(one, bs)[0])
+            tn.append(run(many, bs)[0])
+        a, b = statistics.median(t1), statistics.median(tn)
+        rows.append({"batch": bs, "tp1_tok_s": a, "tpn_tok_s": b, "ratio": b / a, "same": same})
+    ranks = {0: os.getpid(), **many.ranks.pids}
+    memory = {
+        "tp1_weights_mib": weight_mib(one),
+        "rank0_weights_mib": weight_mib(many),
+        # Rank 0's peak includes the TP=1 engine's (one process); the
+        # workers hold only their shard.
+        "peak_rss_mib": {r: peak_rss_mib(pid) for r, pid in ranks.items()},
+    }
+    one.shutdown()
+    many.shutdown()
+    print(
+        f"model: {path}, input {args.input_len}, output {args.output_len}, "
+        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()} (rank 0), "
+        f"median of {args.repeats}, gloo"
+    )
+    print(
+        f"{'batch':>6} {'TP=1 tok/s':>11} {f'TP={args.tp_size} tok/s':>11} {'ratio':>7}  same ids"
+    )
+    for r in rows:
+        print(
+            f"{r['batch']:>6} {r['tp1_tok_s']:>11.1f} {r['tpn_tok_s']:>11.1f} "
+            f"{r['ratio']:>6.2f}x  {r['same']}"
+        )
+    print(
+        f"weights: TP=1 {memory['tp1_weights_mib']:.1f} MiB, each TP={args.tp_size} rank "
+        f"{memory['rank0_weights_mib']:.1f} MiB; peak RSS by rank (MiB): {memory['peak_rss_mib']}"
+    )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows, "memory": memory}, f, indent=2)
+    return 0 if all(r["same"] for r in rows) else 1
 
 
 if __name__ == "__main__":

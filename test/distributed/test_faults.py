@@ -18,6 +18,7 @@ from models_zoo import model_path
 from process_helpers import HAS_PROC, exited, wait_exited
 from server_harness import running_server
 from specserve import Engine
+from specserve.distributed.plan import FORWARD, INLINE
 from specserve.engine.engine import EngineStopped
 
 pytestmark = pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
@@ -73,7 +74,8 @@ def test_a_raising_rank_stops_the_engine() -> None:
         (worker,) = eng.ranks.pids.values()
         out = eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
         assert len(out["output_ids"]) == 2
-        bad = torch.tensor([eng.runner.plans.step_id + 5, 1, 0], dtype=torch.int64)
+        bad = torch.zeros(INLINE, dtype=torch.int64)
+        bad[:3] = torch.tensor([eng.runner.plans.step_id + 5, FORWARD, 0])
         eng.runner.group.broadcast_control(bad)
         wait_exited(worker, timeout=10)
         deadline = time.monotonic() + 10

@@ -211,3 +211,25 @@ def test_shard_loading_reads_only_slices(models, monkeypatch) -> None:
     split = ("proj.weight", "embed_tokens.weight", "lm_head.weight")
     assert read_whole and not [k for k in read_whole if k.endswith(split)]
     assert all("norm" in k for k in read_whole)  # only the replicated norms
+
+
+def test_a_plan_longer_than_one_message(models) -> None:
+    """A 1,500-token prefill's plan (past ``INLINE``) reaches the worker
+    whole: the same greedy tokens and prompt logprobs as one rank."""
+    from specserve.distributed.plan import INLINE
+
+    prompt = random_prompts(1, [1500], seed=3)[0]
+    assert len(prompt) > INLINE
+    kw = dict(device="cpu", max_total_tokens=4096, chunked_prefill_size=2048)
+    args = dict(
+        input_ids=prompt,
+        sampling_params={"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+        return_logprob=True,
+        logprob_start_len=1400,
+    )
+    with Engine(model_path=models["qwen3"], **kw) as one:
+        want = one.generate(**args)
+    with Engine(model_path=models["qwen3"], tp_size=2, **kw) as two:
+        got = two.generate(**args)
+    assert got["output_ids"] == want["output_ids"]
+    _assert_close_logprobs(want, got)
