@@ -262,7 +262,12 @@ class ParallelConfig:
     that run only their shard of each forward (docs/parallelism.md)."""
 
     tp_size: int = 1
-    # Rendezvous of the ranks, host:port (None: a free port on 127.0.0.1).
+    # Machines the ranks span (each runs tp_size / nnodes of them) and which
+    # one this is: node 0 runs rank 0 and the server, the others only ranks.
+    nnodes: int = 1
+    node_rank: int = 0
+    # Rendezvous of the ranks, host:port on node 0 (None: a free port on
+    # 127.0.0.1; required with nnodes > 1).
     dist_init_addr: str | None = None
     # Seconds a collective of a forward may wait for another rank before the
     # engine stops on it (a hung or lost rank).
@@ -271,6 +276,15 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
+        if not isinstance(self.nnodes, int) or self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ValueError(
+                f"nnodes must be an integer >= 1 that divides tp_size ({self.tp_size}), "
+                f"got {self.nnodes!r}"
+            )
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank!r}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("dist_init_addr (host:port of node 0) is required with nnodes > 1")
         t = self.dist_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
             raise ValueError(f"dist_timeout must be a number of seconds > 0, got {t!r}")
@@ -278,6 +292,16 @@ class ParallelConfig:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The ranks this node runs (node 0's include rank 0, this process)."""
+        per = self.ranks_per_node
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
 
 
 SPEC_ALGORITHMS = ("DSPARK", "DFLASH", "NGRAM")

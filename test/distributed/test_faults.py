@@ -89,3 +89,41 @@ def test_a_raising_rank_stops_the_engine() -> None:
     finally:
         eng.shutdown()
     assert exited(worker)
+
+
+def test_two_nodes(tmp_path) -> None:
+    """``--nnodes 2``: node 1 (its own process, ranks only) and node 0 (the
+    server, rank 0) meet at ``--dist-init-addr``; the answers are one rank's;
+    node 1 exits 0 once the server stops."""
+    import subprocess
+
+    from server_harness import LAUNCH, free_port
+
+    path = model_path("qwen3")
+    addr = f"127.0.0.1:{free_port()}"
+    common = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    with open(tmp_path / "node1.log", "w") as log:
+        node1 = subprocess.Popen(
+            [*LAUNCH, "--model-path", path, *common, "--node-rank", "1", "--page-size", "4",
+             "--max-total-tokens", "4096", "--chunked-prefill-size", "64"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        flags = [*common, "--node-rank", "0", "--grammar-backend", "none"]
+        with running_server(path, *flags, log_dir=str(tmp_path)) as server:
+            body = {"prompt": "def f(n):", "max_tokens": 8, "temperature": 0, "logprobs": 3}
+            got = server.http.post("/v1/completions", json=body).json()["choices"][0]
+        assert node1.wait(timeout=30) == 0, (tmp_path / "node1.log").read_text()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+    with Engine(model_path=path, device="cpu", page_size=4, max_total_tokens=4096) as one:
+        ids = one.tokenizer.encode("def f(n):")
+        want = one.generate(
+            input_ids=ids,
+            sampling_params={"temperature": 0, "max_new_tokens": 8},
+            return_logprob=True,
+        )
+    assert got["text"] == want["text"]
+    lps = [e[0] for e in want["meta_info"]["output_token_logprobs"]]
+    assert got["logprobs"]["token_logprobs"] == pytest.approx(lps, abs=1e-5)

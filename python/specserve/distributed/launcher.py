@@ -78,6 +78,8 @@ class WorkerRanks:
 
     def _watch_loop(self) -> None:
         sentinels = {p.sentinel: r for r, p in self.procs.items()}
+        if not sentinels:  # a node whose only rank is rank 0
+            return
         ready = multiprocessing.connection.wait(list(sentinels))
         if self._closing.is_set():
             return
@@ -91,6 +93,16 @@ class WorkerRanks:
             callbacks = list(self._on_loss)
         for cb in callbacks:
             cb(why)
+
+    def wait(self) -> str | None:
+        """Blocks until every worker has exited, or one has failed: None when
+        all exited with status 0 (after rank 0's stop), else which failed."""
+        self._closing.set()  # this caller reports the exits, not the watch
+        for p in self.procs.values():
+            p.join()
+            if p.exitcode != 0:
+                return f"{p.name} exited (exit code {p.exitcode})"
+        return None
 
     def close(self, stop: Callable[[None], None] | None = None, timeout: float = 10.0) -> None:
         """Ends the workers: ``stop(None)`` sends them the stop plan (None:

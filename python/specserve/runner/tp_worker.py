@@ -32,8 +32,8 @@ def run_worker(rank: int, size: int, addr: str, config: EngineConfig, log_level:
         from specserve.runner.model_runner import ModelRunner
 
         device = torch.device(config.device)
-        if device.type == "cuda":
-            device = torch.device("cuda", rank % torch.cuda.device_count())
+        if device.type == "cuda":  # this node's rank-th device
+            device = torch.device("cuda", rank % config.parallel.ranks_per_node)
             torch.cuda.set_device(device)
             config = _on_device(config, str(device))
         group = connect(rank, size, addr, device, config.parallel.dist_timeout)
@@ -60,7 +60,7 @@ def start_workers(config: EngineConfig) -> tuple[RankGroup, WorkerRanks]:
     par = config.parallel
     addr = par.dist_init_addr or free_addr()
     level = logging.getLogger("specserve").getEffectiveLevel()
-    ranks = WorkerRanks(run_worker, range(1, par.tp_size), par.tp_size, addr, (config, level))
+    ranks = WorkerRanks(run_worker, par.node_ranks[1:], par.tp_size, addr, (config, level))
     try:
         group = connect(
             0, par.tp_size, addr, torch.device(config.device), par.dist_timeout, ranks.lost
@@ -69,3 +69,22 @@ def start_workers(config: EngineConfig) -> tuple[RankGroup, WorkerRanks]:
         ranks.close()
         raise
     return group, ranks
+
+
+def serve_node(config: EngineConfig) -> int:
+    """A node other than node 0 (``--node-rank`` > 0): runs its ranks until
+    rank 0 stops them; returns the exit status (non-zero when a rank failed:
+    the others are killed then)."""
+    par = config.parallel
+    assert par.node_rank > 0 and par.dist_init_addr is not None
+    level = logging.getLogger("specserve").getEffectiveLevel()
+    ranks = WorkerRanks(
+        run_worker, par.node_ranks, par.tp_size, par.dist_init_addr, (config, level)
+    )
+    logger.info(
+        "node %d of %d: ranks %d-%d, meeting at %s",
+        par.node_rank, par.nnodes, par.node_ranks[0], par.node_ranks[-1], par.dist_init_addr,
+    )  # fmt: skip
+    failed = ranks.wait()
+    ranks.close()
+    return 0 if failed is None else 1

@@ -148,6 +148,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="tensor-parallel ranks: the model split over this many processes (devices)",
     )
     par.add_argument(
+        "--nnodes", type=int, default=ParallelConfig.nnodes, help="machines the ranks span"
+    )
+    par.add_argument(
+        "--node-rank",
+        type=int,
+        default=ParallelConfig.node_rank,
+        help="this machine's index: 0 serves HTTP, the others run their ranks only",
+    )
+    par.add_argument(
         "--dist-init-addr",
         default=None,
         help="host:port where the ranks meet (default: a free port on 127.0.0.1)",

@@ -35,6 +35,16 @@ def serve(args: argparse.Namespace) -> int:
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("specserve").setLevel(cfg.log_level.upper())
+    if args.node_rank > 0:  # this node runs ranks only; node 0 serves
+        from specserve.config import EngineConfig
+        from specserve.runner.tp_worker import serve_node
+
+        try:
+            config = EngineConfig.from_kwargs(args.model_path, **engine_kwargs(args))
+        except ValueError as e:
+            print(f"specserve: error: {e}", file=sys.stderr)
+            return 2
+        return serve_node(config)
     try:
         engine = Engine(model_path=args.model_path, **engine_kwargs(args))
     except (ValueError, OSError) as e:
