@@ -262,6 +262,9 @@ class ParallelConfig:
     that run only their shard of each forward (docs/parallelism.md)."""
 
     tp_size: int = 1
+    # Engine replicas (each its own scheduler, KV pool and TP group), every
+    # request routed to the least-loaded one (``DataParallelEngine``).
+    dp_size: int = 1
     # Machines the ranks span (each runs tp_size / nnodes of them) and which
     # one this is: node 0 runs rank 0 and the server, the others only ranks.
     nnodes: int = 1
@@ -276,6 +279,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
+        if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or self.dp_size < 1:
+            raise ValueError(f"dp_size must be an integer >= 1, got {self.dp_size!r}")
         if not isinstance(self.nnodes, int) or self.nnodes < 1 or self.tp_size % self.nnodes:
             raise ValueError(
                 f"nnodes must be an integer >= 1 that divides tp_size ({self.tp_size}), "

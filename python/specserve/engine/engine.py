@@ -62,6 +62,10 @@ class Engine:
         if model_path is None or not os.path.isdir(model_path):
             raise ValueError(f"model_path: {model_path!r} is not a directory")
         self.config = EngineConfig.from_kwargs(model_path, **engine_args)
+        if self.config.parallel.dp_size > 1:
+            raise ValueError(
+                "dp_size: an Engine is one replica; DataParallelEngine runs dp_size of them"
+            )
         self.tokenizer = Tokenizer(self.config.tokenizer_path or model_path)
         # Tensor parallelism: this process is rank 0; the others start first.
         self.ranks: WorkerRanks | None = None
@@ -79,6 +83,7 @@ class Engine:
         mc = self.runner.model_config
         self.eos_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         self._grammar: GrammarBackend | None = None
+        self._grammar_from: Engine | None = None  # share_grammar's
         self._grammar_lock = threading.Lock()
         self.requests = RequestFactory(
             self.tokenizer,
@@ -209,6 +214,8 @@ class Engine:
         """The grammar backend, built on first use (None when disabled)."""
         if self.config.grammar_backend == "none":
             return None
+        if self._grammar_from is not None:
+            return self._grammar_from.grammar_backend()
         with self._grammar_lock:
             if self._stopped:  # shutdown closed it; no worker may start after
                 raise EngineStopped("the engine has been shut down")
@@ -225,6 +232,11 @@ class Engine:
                     self.config.grammar_compile_max_memory,
                 )
             return self._grammar
+
+    def share_grammar(self, other: Engine) -> None:
+        """Compiles grammars with ``other``'s backend (one compile pool for
+        data-parallel replicas of one model)."""
+        self._grammar_from = other
 
     # ---- submission ---------------------------------------------------------
 
@@ -410,6 +422,11 @@ class Engine:
             with self._lock:
                 left = list(self._sinks)
             self._deliver([RequestOutput.final(rid, reason) for rid in left])
+
+    def start_loop(self) -> None:
+        """Drives the engine from a background thread of its own (at once,
+        not at the first async caller)."""
+        self._ensure_loop()
 
     def _ensure_loop(self) -> None:
         with self._lock:

@@ -32,8 +32,8 @@ def run_worker(rank: int, size: int, addr: str, config: EngineConfig, log_level:
         from specserve.runner.model_runner import ModelRunner
 
         device = torch.device(config.device)
-        if device.type == "cuda":  # this node's rank-th device
-            device = torch.device("cuda", rank % config.parallel.ranks_per_node)
+        if device.type == "cuda":  # the rank-th of this node's devices from rank 0's
+            device = torch.device("cuda", (device.index or 0) + rank % config.parallel.ranks_per_node)
             torch.cuda.set_device(device)
             config = _on_device(config, str(device))
         group = connect(rank, size, addr, device, config.parallel.dist_timeout)

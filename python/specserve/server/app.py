@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specserve import __version__
 from specserve.config import ServerConfig
+from specserve.engine.data_parallel import DataParallelEngine
 from specserve.engine.engine import Engine
 from specserve.protocol.openai import DetokenizeRequest, TokenizeRequest
 from specserve.server import native, openai_chat, openai_completions
@@ -29,7 +30,7 @@ from specserve.server.errors import (
 OPEN_PATHS = ("/health",)  # answered without an API key (liveness probes)
 
 
-def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+def create_app(engine: Engine | DataParallelEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="specserve", version=__version__)
     ctx = ServerContext(engine, config, config.served_model_name or engine.config.model_path)
     app.state.ctx = ctx
@@ -150,7 +151,7 @@ def _unhealthy(message: str) -> JSONResponse:
     return JSONResponse(error_body(message, "server_error", None, 503), 503)
 
 
-def _spec_info(engine: Engine) -> dict[str, Any] | None:
+def _spec_info(engine: Engine | DataParallelEngine) -> dict[str, Any] | None:
     if engine.proposer is None:
         return None
     st = engine.stats()

@@ -148,6 +148,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="tensor-parallel ranks: the model split over this many processes (devices)",
     )
     par.add_argument(
+        "--dp-size",
+        type=int,
+        default=ParallelConfig.dp_size,
+        help="data-parallel engine replicas; each request goes to the least-loaded one",
+    )
+    par.add_argument(
         "--nnodes", type=int, default=ParallelConfig.nnodes, help="machines the ranks span"
     )
     par.add_argument(

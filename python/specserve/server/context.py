@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from specserve.config import ServerConfig
+from specserve.engine.data_parallel import DataParallelEngine
 from specserve.engine.engine import Engine, EngineStopped
 from specserve.engine.engine_core import RequestOutput
 from specserve.engine.request_factory import GenerateRequest
@@ -34,7 +35,7 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 @dataclass
 class ServerContext:
-    engine: Engine
+    engine: Engine | DataParallelEngine
     config: ServerConfig
     model_name: str
     metrics: Registry = field(default_factory=Registry)

@@ -46,7 +46,12 @@ def serve(args: argparse.Namespace) -> int:
             return 2
         return serve_node(config)
     try:
-        engine = Engine(model_path=args.model_path, **engine_kwargs(args))
+        if args.dp_size > 1:
+            from specserve.engine.data_parallel import DataParallelEngine
+
+            engine = DataParallelEngine(args.model_path, **engine_kwargs(args))
+        else:
+            engine = Engine(model_path=args.model_path, **engine_kwargs(args))
     except (ValueError, OSError) as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
