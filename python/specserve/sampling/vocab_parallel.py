@@ -1,0 +1,190 @@
+"""Scoring vocabulary-split logits without gathering the vocabulary.
+
+Each tensor-parallel rank holds the logits of its slice of the vocabulary,
+``[R, Vl]`` for global ids ``[vocab_start, vocab_start + Vl)``, of which the
+first ``vocab_real`` columns are real ids (``layers.parallel.vocab_shard``;
+the rest is padding and never scored). Rather than moving ``R x V`` floats to
+rank 0, every rank reduces its slice to a few numbers per row and the ranks
+exchange only those:
+
+- logprobs: ONE all-gather of ``[R, 3 + M + 2k]`` float32 per rank: the
+  shard's max ``m_r`` and ``s_r = sum exp(x - m_r)``, the chosen token's and
+  the requested ids' scaled logits (-inf from ranks that do not own the id),
+  and the shard's top-k as int64 keys bit-cast to float32 (an all-gather only
+  copies bytes, so the bits survive). Every rank then merges the same bytes in
+  the same order: the results are bitwise equal on every rank. An id's logit
+  comes from the rank that holds it; the others send -inf and the merge takes
+  the max, which is exact (so would be a sum with 0s), and an id no rank holds
+  (-1 padding) reads as impossible rather than as a logit of 0. One collective
+  rather than max, sum and gather: each one is a round trip (latency, not
+  bandwidth, dominates such small messages), and at 2 ranks an all-reduce
+  moves as many bytes as the all-gather does;
+- greedy argmax: ONE all-reduce (max) of ``[R]`` int64 keys.
+
+A key packs (value, global id) so that one integer comparison orders by value
+descending, then id ascending: the high 32 bits are the float's bits remapped
+so that signed-int order is float order (-0.0 folded into +0.0), the low 32
+bits are ``ID_MAX - id``. A top-k or max of keys has no ties, so ties go to
+the lowest global id on any number of ranks, as in the single-device Triton
+kernel (``torch.topk``, used by ``row_logprobs_ref``, orders ties arbitrarily).
+The keys cost an int64 copy of the shard's ``[R, Vr]`` logits (top-k only).
+
+The contract is ``kernels.logprobs``'s: NaN logits count as -inf; a row with
+no possible token (all -inf, or holding +inf, where ``log_softmax`` is NaN)
+reports -inf for every logprob; temperatures divide the logits; requested ids
+of -1 give NaN. Token and requested ids must be below the vocabulary size and
+``top_k`` at most the vocabulary size. Every input but the logits must be the
+same on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.distributed import RankGroup
+from specserve.kernels.chain_verify import greedy_argmax
+from specserve.kernels.logprobs import RowLogprobs
+
+ID_MAX = 2**31 - 1
+EMPTY = -(2**63)  # below every real key, even -inf's: "no candidate"
+NEG_INF = float("-inf")
+STATS = 3  # m_r, s_r, the chosen token's logit
+
+
+def _keys(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 keys of float32 ``x`` at global ``ids`` (broadcast): bigger key =
+    bigger value, or the same value at a lower id."""
+    bits = torch.where(x == 0, 0.0, x).view(torch.int32)  # -0.0 would sort below +0.0
+    hi = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # flips negatives' magnitude bits
+    return (hi.to(torch.int64) << 32) | (ID_MAX - ids)
+
+
+def _unkey(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 values, int64 global ids) of ``_keys``' keys (exact)."""
+    hi = (key >> 32).to(torch.int32)
+    return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).view(torch.float32), ID_MAX - (key & 0xFFFFFFFF)
+
+
+def _owned(x: torch.Tensor, ids: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """``x``'s values at global ``ids`` ([R, M]) this shard holds, -inf at the
+    others (padding -1 included): the max over the ranks is then exact."""
+    real = x.shape[1]
+    local = ids - vocab_start  # [R, M]
+    own = (local >= 0) & (local < real)
+    if real == 0:
+        return torch.full(ids.shape, NEG_INF, dtype=torch.float32, device=x.device)
+    got = x.gather(1, local.clamp(0, real - 1))  # [R, M]
+    return got.masked_fill(~own, NEG_INF)
+
+
+def vocab_parallel_logprobs(
+    local_logits: torch.Tensor,
+    vocab_start: int,
+    vocab_real: int,
+    token_ids: torch.Tensor,
+    temps: torch.Tensor | None,
+    top_k: int,
+    gather_ids: torch.Tensor | None,
+    group: RankGroup,
+) -> RowLogprobs:
+    """``row_logprobs_ref`` of the full logits from this rank's shard, the
+    same on every rank (values to float rounding; top ids exactly, ties to
+    the lowest global id). Moves ``logprob_bytes`` bytes, not the logits."""
+    r = local_logits.shape[0]
+    dev = local_logits.device
+    assert local_logits.dim() == 2 and 0 <= vocab_real <= local_logits.shape[1]
+    assert token_ids.shape == (r,), f"token_ids must be [{r}], got {tuple(token_ids.shape)}"
+    assert top_k >= 0, f"top_k must be >= 0, got {top_k}"
+    if gather_ids is None:
+        gather_ids = torch.empty(r, 0, dtype=torch.int64, device=dev)
+    m_ids = gather_ids.shape[1]
+
+    x = local_logits[:, :vocab_real].float()  # [R, Vr]: padding never read
+    x = x.masked_fill(x.isnan(), NEG_INF)  # the NaN contract
+    if temps is not None:
+        x = x / temps.float().unsqueeze(1)  # divide, as the reference does
+
+    # The shard's logsumexp as (max, sum of exp(x - max)); amax rejects 0 columns.
+    none = torch.full((r,), NEG_INF, dtype=torch.float32, device=dev)
+    m_r = x.amax(dim=1) if vocab_real > 0 else none  # [R]
+    m_shift = torch.where(m_r.isfinite(), m_r, 0.0)  # all -inf: exp(-inf - -inf) is NaN
+    s_r = torch.exp(x - m_shift.unsqueeze(1)).sum(dim=1)  # [R]; 0 for an all -inf shard
+
+    wanted = torch.cat([token_ids.long().unsqueeze(1), gather_ids.long()], 1)  # [R, 1 + M]
+    picked = _owned(x, wanted, vocab_start)  # [R, 1 + M]
+
+    k_here = min(top_k, vocab_real)
+    top = torch.full((r, top_k), EMPTY, dtype=torch.int64, device=dev)  # [R, k]
+    if k_here > 0:
+        ids = torch.arange(vocab_start, vocab_start + vocab_real, device=dev)  # [Vr]
+        top[:, :k_here] = _keys(x, ids).topk(k_here, dim=1).values
+
+    # [R, 3 + M + 2k] float32: m, s, token logit, requested logits, top keys.
+    payload = torch.cat([m_r.unsqueeze(1), s_r.unsqueeze(1), picked, top.view(torch.float32)], 1)
+    parts = group.all_gather(payload)  # N x [R, P]
+    cut = STATS + m_ids
+    every = torch.stack([p[:, :cut] for p in parts])  # [N, R, 3 + M]
+
+    m_all, s_all = every[:, :, 0], every[:, :, 1]  # [N, R]
+    m = m_all.amax(dim=0)  # [R]
+    ok = m.isfinite()  # else no possible token (all -inf) or +inf: -inf everywhere
+    m_safe = torch.where(ok, m, 0.0)
+    log_s = (s_all * torch.exp(m_all - m_safe)).sum(dim=0).log()  # [R]; S >= 1 where ok
+
+    def logprob(v: torch.Tensor) -> torch.Tensor:  # [R, J] scaled logits -> logprobs
+        # (x - max) - log(sum): the association of the reference's log_softmax.
+        out = (v - m_safe.unsqueeze(1)) - log_s.unsqueeze(1)
+        return out.masked_fill(~ok.unsqueeze(1), NEG_INF)
+
+    picked = logprob(every[:, :, 2:].amax(dim=0))  # [R, 1 + M]
+    ids_logprobs = picked[:, 1:].masked_fill(gather_ids < 0, float("nan"))  # [R, M]
+
+    # Every rank's top keys as [R, N, 2k] float32 (a fresh tensor, so its bits
+    # view as int64) -> [R, N * k] int64; keys are unique, so no ties.
+    best = top  # [R, 0] at top_k 0 (an empty float block does not view as int64)
+    if top_k > 0:
+        keys = torch.stack([p[:, cut:] for p in parts], dim=1).view(torch.int64)
+        best = keys.flatten(1).topk(top_k, dim=1).values  # [R, k], sorted descending
+    top_x, top_ids = _unkey(best)
+    return RowLogprobs(picked[:, 0], logprob(top_x), top_ids, ids_logprobs)
+
+
+def vocab_parallel_argmax(
+    local_logits: torch.Tensor, vocab_start: int, vocab_real: int, group: RankGroup
+) -> torch.Tensor:
+    """``greedy_argmax`` of the full logits (``[R]`` int64 global ids, ties to
+    the lowest id, NaN never chosen, an all NaN / -inf row gives 0) from this
+    rank's shard: one all-reduce (max) of ``[R]`` int64 keys."""
+    r = local_logits.shape[0]
+    if vocab_real == 0:  # a shard of padding only (vocab < ranks)
+        key = torch.full((r,), EMPTY, dtype=torch.int64, device=local_logits.device)
+    else:
+        x = local_logits[:, :vocab_real]  # [R, Vr]
+        idx = greedy_argmax(x).to(x.device)  # [R] local; the shard's first best
+        v = x.gather(1, idx.unsqueeze(1)).squeeze(1).float()  # [R]
+        v = v.masked_fill(v.isnan(), NEG_INF)  # an all-NaN shard picks its column 0
+        key = _keys(v, idx + vocab_start)
+    return _unkey(group.all_reduce_max(key))[1]
+
+
+def logprob_bytes(rows: int, top_k: int, num_ids: int, size: int) -> int:
+    """Bytes one ``vocab_parallel_logprobs`` call puts on the wire, summed over
+    the receiving ranks: each of ``size`` ranks receives ``size - 1`` payloads
+    of ``rows x (3 + num_ids + 2 top_k)`` float32 (top-k keys are int64)."""
+    if size == 1:
+        return 0
+    return size * (size - 1) * rows * (STATS + num_ids + 2 * top_k) * 4
+
+
+def gather_bytes(rows: int, vocab: int, size: int) -> int:
+    """Bytes gathering the float32 logits to rank 0 moves (``VocabParallelHead
+    .gather``): ``size - 1`` padded shards of ``rows x ceil(vocab / size)``."""
+    if size == 1:
+        return 0
+    return (size - 1) * rows * -(-vocab // size) * 4
+
+
+def argmax_bytes(rows: int, size: int) -> int:
+    """Bytes ``vocab_parallel_argmax`` moves: a ring all-reduce of ``rows``
+    int64 sends ``2 (size - 1) / size`` of them from each of ``size`` ranks."""
+    return 2 * (size - 1) * rows * 8
