@@ -265,6 +265,9 @@ class ParallelConfig:
     # Engine replicas (each its own scheduler, KV pool and TP group), every
     # request routed to the least-loaded one (``DataParallelEngine``).
     dp_size: int = 1
+    # DeepSeek-V4: its routed experts split whole over this many of the TP
+    # ranks (1: each expert's intermediate features split instead). 1 or tp_size.
+    ep_size: int = 1
     # Machines the ranks span (each runs tp_size / nnodes of them) and which
     # one this is: node 0 runs rank 0 and the server, the others only ranks.
     nnodes: int = 1
@@ -281,6 +284,11 @@ class ParallelConfig:
             raise ValueError(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
         if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or self.dp_size < 1:
             raise ValueError(f"dp_size must be an integer >= 1, got {self.dp_size!r}")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(
+                f"ep_size must be 1 or tp_size ({self.tp_size}): experts split over the "
+                f"tensor-parallel ranks, got {self.ep_size!r}"
+            )
         if not isinstance(self.nnodes, int) or self.nnodes < 1 or self.tp_size % self.nnodes:
             raise ValueError(
                 f"nnodes must be an integer >= 1 that divides tp_size ({self.tp_size}), "

@@ -83,9 +83,7 @@ def test_dp2_of_tp2_groups() -> None:
     sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
     with Engine(model_path=path, device="cpu", max_total_tokens=1024) as one:
         want = [o["output_ids"] for o in one.generate(input_ids=PROMPTS[:4], sampling_params=sp)]
-    with DataParallelEngine(
-        path, device="cpu", dp_size=2, tp_size=2, max_total_tokens=1024
-    ) as dp:
+    with DataParallelEngine(path, device="cpu", dp_size=2, tp_size=2, max_total_tokens=1024) as dp:
         assert [len(e.ranks.pids) for e in dp.replicas] == [1, 1]
         got = [o["output_ids"] for o in dp.generate(input_ids=PROMPTS[:4], sampling_params=sp)]
     assert got == want

@@ -6,6 +6,13 @@ on the scores plus a correction bias, no auxiliary loss) or, in the first
 selected experts are weighted by their normalised scores. Tokens are sorted
 by expert and each expert runs once over its tokens: a loop over experts,
 never over tokens.
+
+Under tensor parallelism the router is replicated and each rank computes a
+partial output, summed over the ranks by one all-reduce per layer: with
+expert parallelism (``ep_size`` = ``tp_size``) a rank holds a contiguous
+range of whole experts and computes only the (token, choice) pairs routed
+to them; without it every rank holds a slice of each expert's intermediate
+features. The shared expert's intermediate features are split either way.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.layers.linear import Linear, PackedWeight, linear
+from specserve.distributed import SINGLE, RankGroup
+from specserve.layers.linear import PackedWeight, Shard, linear
+from specserve.layers.parallel import ColumnParallelLinear, RowParallelLinear, split
 
 if TYPE_CHECKING:
     from specserve.models.deepseek_v4_config import DeepseekV4Config
@@ -37,13 +46,15 @@ def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 class SharedExpert(nn.Module):
-    """``w2(swiglu(w1 x, w3 x))``, checkpoint names ``w1``/``w2``/``w3``."""
+    """``w2(swiglu(w1 x, w3 x))``, checkpoint names ``w1``/``w2``/``w3``: this
+    rank's slice of the intermediate features, its partial output unreduced."""
 
-    def __init__(self, hidden: int, inter: int, limit: float) -> None:
+    def __init__(self, hidden: int, inter: int, limit: float, group: RankGroup = SINGLE) -> None:
         super().__init__()
-        self.w1 = Linear(hidden, inter, bias=False)
-        self.w2 = Linear(inter, hidden, bias=False)
-        self.w3 = Linear(hidden, inter, bias=False)
+        what = "moe_intermediate_size x n_shared_experts"
+        self.w1 = ColumnParallelLinear(hidden, inter, group, what)
+        self.w2 = RowParallelLinear(inter, hidden, False, group, what, reduce=False)
+        self.w3 = ColumnParallelLinear(hidden, inter, group, what)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,41 +97,76 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """Every expert's ``w1|w3`` as ``w13 [E, 2I, d]`` and ``w2 [E, d, I]``;
-    the checkpoint's per-expert tensors load into their slices."""
+    """This rank's experts' ``w1|w3`` as ``w13 [E, 2I, d]`` and ``w2 [E, d,
+    I]``; the checkpoint's per-expert tensors load into their slices. Under
+    tensor parallelism either a contiguous range of whole experts
+    (``expert_parallel``) or a slice of every expert's ``I``."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, limit: float) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        limit: float,
+        group: RankGroup = SINGLE,
+        expert_parallel: bool = False,
+    ) -> None:
         super().__init__()
-        self.inter, self.limit = inter, limit
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.group, self.full_inter, self.limit = group, inter, limit
+        self.num_experts = num_experts
+        self.first, local = 0, num_experts
+        self.inter_start, self.inter = 0, inter
+        if expert_parallel:
+            self.first, local = split(num_experts, group, "n_routed_experts")
+        else:
+            self.inter_start, self.inter = split(inter, group, "moe_intermediate_size")
+        self.w13 = nn.Parameter(torch.empty(local, 2 * self.inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(local, hidden, self.inter))
         # Each expert's packed w1|w3 and w2 (on the CPU; see PackedWeight).
-        self.packed = [(PackedWeight(), PackedWeight()) for _ in range(num_experts)]
+        self.packed = [(PackedWeight(), PackedWeight()) for _ in range(local)]
 
     def post_load(self) -> None:
         for e, (p13, p2) in enumerate(self.packed):
             p13.pack(self.w13[e])
             p2.pack(self.w2[e])
 
+    def holds(self, expert: int) -> bool:
+        return self.first <= expert < self.first + self.w13.shape[0]
+
+    def checkpoint_layout(self, prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, Shard]]:
+        """This rank's experts' checkpoint keys -> their tensors, and the
+        slices read of them (an intermediate split)."""
+        out, shards = {}, {}
+        i, n, full = self.inter_start, self.inter, self.full_inter
+        for local in range(self.w13.shape[0]):
+            key = f"{prefix}.{self.first + local}"
+            out[f"{key}.w1.weight"] = self.w13.data[local, :n]
+            out[f"{key}.w3.weight"] = self.w13.data[local, n:]
+            out[f"{key}.w2.weight"] = self.w2.data[local]
+            if n != full:
+                shards[f"{key}.w1.weight"] = shards[f"{key}.w3.weight"] = Shard(0, i, n, full)
+                shards[f"{key}.w2.weight"] = Shard(1, i, n, full)
+        return out, shards
+
     def checkpoint_targets(self, prefix: str) -> dict[str, torch.Tensor]:
-        out = {}
-        for e in range(self.w13.shape[0]):
-            out[f"{prefix}.{e}.w1.weight"] = self.w13.data[e, : self.inter]
-            out[f"{prefix}.{e}.w3.weight"] = self.w13.data[e, self.inter :]
-            out[f"{prefix}.{e}.w2.weight"] = self.w2.data[e]
-        return out
+        return self.checkpoint_layout(prefix)[0]
 
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """``x [T, d]``, ``experts``/``weights [T, k]`` -> ``[T, d]``."""
-        k = experts.shape[1]
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert
+        """``x [T, d]``, ``experts``/``weights [T, k]`` -> ``[T, d]`` (this
+        rank's part of it under tensor parallelism)."""
+        k, local = experts.shape[1], self.w13.shape[0]
+        flat = experts.flatten() - self.first  # [T * k]: each pair's expert among this rank's
+        if local < self.num_experts:  # expert parallelism: the pairs routed here only
+            pairs = ((flat >= 0) & (flat < local)).nonzero().squeeze(1)
+            order = pairs[flat[pairs].argsort(stable=True)]
+        else:
+            order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert
         tokens = order // k
         # The slice bounds of each expert's tokens: one read per MoE layer (free
         # on the CPU; on CUDA a grouped GEMM over device offsets would avoid it).
-        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()  # host read
+        counts = torch.bincount(flat[order], minlength=local).tolist()  # host read
         xs = x[tokens]  # [T * k, d]
         out = torch.empty_like(xs)
         start = 0
@@ -137,13 +183,27 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden: int, cfg: DeepseekV4Config, vocab_size: int, hashed: bool) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        cfg: DeepseekV4Config,
+        vocab_size: int,
+        hashed: bool,
+        group: RankGroup = SINGLE,
+        expert_parallel: bool = False,
+    ) -> None:
         super().__init__()
         inter = cfg.moe_intermediate_size
+        self.group = group
         self.gate = Router(hidden, cfg, vocab_size, hashed)
-        self.experts = RoutedExperts(cfg.n_routed_experts, hidden, inter, cfg.swiglu_limit)
-        self.shared_experts = SharedExpert(hidden, inter * cfg.n_shared_experts, cfg.swiglu_limit)
+        self.experts = RoutedExperts(
+            cfg.n_routed_experts, hidden, inter, cfg.swiglu_limit, group, expert_parallel
+        )
+        self.shared_experts = SharedExpert(
+            hidden, inter * cfg.n_shared_experts, cfg.swiglu_limit, group
+        )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         experts, weights = self.gate(x, input_ids)
-        return self.experts(x, experts, weights) + self.shared_experts(x)
+        # Both parts partial under tensor parallelism: one all-reduce sums them.
+        return self.group.all_reduce(self.experts(x, experts, weights) + self.shared_experts(x))

@@ -59,17 +59,47 @@ class HeadSplit:
         return cls(q_start, q_count, kv_start, kv_count)
 
 
+class ColumnParallelLinear(Linear):
+    """``y = x W^T`` with ``W``'s output features split over the ranks
+    (contiguous ``length`` rows from ``start``; by default an even split):
+    each rank computes its slice of ``y``, no collective."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: RankGroup,
+        what: str,
+        rows: tuple[int, int] | None = None,
+    ) -> None:
+        start, count = rows or split(out_features, group, what)
+        super().__init__(in_features, count, bias=False)
+        self.group = group
+        self.shard = Shard(0, start, count, out_features)
+
+    def checkpoint_part(self, attr: str) -> tuple[torch.Tensor, Shard | None]:
+        return self.weight.data, self.shard if self.group.size > 1 else None
+
+
 class RowParallelLinear(Linear):
     """``y = x W^T + b`` with ``W``'s input features split over the ranks:
     each multiplies its slice of ``x``, the all-reduce sums the parts (the
-    bias is added once, by rank 0)."""
+    bias is added once, by rank 0). ``reduce`` False: the caller sums the
+    partial outputs itself (with others', in one all-reduce)."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, group: RankGroup, what: str
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        group: RankGroup,
+        what: str,
+        reduce: bool = True,
     ) -> None:
         start, count = split(in_features, group, what)
         super().__init__(count, out_features, bias=bias)
         self.group = group
+        self.reduce = reduce
         self.shard = Shard(1, start, count, in_features)
 
     def checkpoint_part(self, attr: str) -> tuple[torch.Tensor, Shard | None]:
@@ -80,7 +110,8 @@ class RowParallelLinear(Linear):
         if self.group.size == 1:
             return super().forward(x)
         bias = self.bias if self.group.is_first else None
-        return self.group.all_reduce(linear(x, self.weight, bias, self.packed))
+        out = linear(x, self.weight, bias, self.packed)
+        return self.group.all_reduce(out) if self.reduce else out
 
 
 def vocab_shard(vocab_size: int, group: RankGroup) -> tuple[int, int, int]:

@@ -10,6 +10,12 @@ streams around attention and the MoE of every layer.
 Parameter names are DeepSeek's checkpoint names (``attn.wq_a``,
 ``ffn.experts.0.w1``, ``hc_attn_fn``, ...); ``checkpoint_key`` also reads the
 names transformers writes (``model.`` prefix, ``embed_tokens``, ``lm_head``).
+
+Tensor parallelism (``group``): the query heads and their sinks split over
+the ranks with the output groups they feed (``wq_b``, ``wo_a`` column,
+``wo_b`` row), the one K=V head, the compressors, the indexer and mHC
+replicated (every rank keeps the whole cache); the MoE as ``layers/moe.py``
+says; embedding and head split by vocabulary.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig, RopeConfig
+from specserve.distributed import SINGLE, RankGroup
 from specserve.layers.attention import AttentionMetadata
 from specserve.layers.compressed_attention import CompressedAttentionBackend
 from specserve.layers.hyper_connection import (
@@ -27,9 +34,16 @@ from specserve.layers.hyper_connection import (
     expand,
     unweighted_rms_norm,
 )
-from specserve.layers.linear import Linear, LogitsHead
+from specserve.layers.linear import Linear, Shard
 from specserve.layers.moe import MoE, RoutedExperts
 from specserve.layers.norm import RMSNorm
+from specserve.layers.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    split,
+)
 from specserve.layers.rotary import rope_inv_freq
 from specserve.models.deepseek_v4_config import CSA, SLIDING
 
@@ -126,20 +140,37 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, kind: str, rope: InterleavedRope) -> None:
+    """This rank's query heads (all of them at one rank) over the shared K=V."""
+
+    def __init__(
+        self, cfg: ModelConfig, kind: str, rope: InterleavedRope, group: RankGroup = SINGLE
+    ) -> None:
         super().__init__()
         v4 = cfg.deepseek_v4
-        h, d = cfg.num_attention_heads, cfg.head_dim
-        self.heads, self.head_dim, self.rope = h, d, rope
-        self.groups, self.eps = v4.o_groups, cfg.rms_norm_eps
+        h, d, g, r = cfg.num_attention_heads, cfg.head_dim, v4.o_groups, v4.o_lora_rank
+        # A rank's heads are whole output groups: split the groups.
+        g_start, groups = split(g, group, "o_groups")
+        heads = groups * (h // g)
+        self.heads, self.head_dim, self.rope = heads, d, rope
+        self.groups, self.eps = groups, cfg.rms_norm_eps
+        self.group = group
         self.wq_a = Linear(cfg.hidden_size, v4.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(v4.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = Linear(v4.q_lora_rank, h * d, bias=False)
+        h_start = g_start * (h // g)
+        what = "num_attention_heads"
+        self.wq_b = ColumnParallelLinear(
+            v4.q_lora_rank, h * d, group, what, (h_start * d, heads * d)
+        )
         self.wkv = Linear(cfg.hidden_size, d, bias=False)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.wo_a = nn.Linear(h * d // self.groups, self.groups * v4.o_lora_rank, bias=False)
-        self.wo_b = Linear(self.groups * v4.o_lora_rank, cfg.hidden_size, bias=False)
-        self.attn_sink = nn.Parameter(torch.empty(h))
+        self.wo_a = ColumnParallelLinear(
+            h * d // g, g * r, group, "o_groups", (g_start * r, groups * r)
+        )
+        self.wo_b = RowParallelLinear(
+            g * r, cfg.hidden_size, False, group, "o_groups x o_lora_rank"
+        )
+        self.attn_sink = nn.Parameter(torch.empty(heads))
+        self.sink_shard = Shard(0, h_start, heads, h)
         self.rate = v4.rate(kind) if kind != SLIDING else 0
         self.compressor = (
             Compressor(cfg.hidden_size, d, self.rate, kind == CSA, cfg.rms_norm_eps)
@@ -147,6 +178,10 @@ class Attention(nn.Module):
             else None
         )
         self.indexer = Indexer(cfg, self.rate) if kind == CSA else None
+
+    def checkpoint_part(self, attr: str) -> tuple[torch.Tensor, Shard | None]:
+        """``attn_sink``: this rank's heads' sinks."""
+        return self.attn_sink.data, self.sink_shard if self.group.size > 1 else None
 
     def forward(
         self,
@@ -207,14 +242,21 @@ def pack_weights(module: nn.Module) -> None:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, ropes: dict[str, InterleavedRope]) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        ropes: dict[str, InterleavedRope],
+        group: RankGroup,
+        expert_parallel: bool,
+    ) -> None:
         super().__init__()
         v4 = cfg.deepseek_v4
         kind = v4.layer_types[layer]
         d, n = cfg.hidden_size, v4.hc_mult
-        self.attn = Attention(cfg, kind, ropes["main" if kind == SLIDING else "compress"])
+        self.attn = Attention(cfg, kind, ropes["main" if kind == SLIDING else "compress"], group)
         hashed = v4.mlp_layer_types[layer] == "hash_moe"
-        self.ffn = MoE(d, v4, cfg.vocab_size, hashed)
+        self.ffn = MoE(d, v4, cfg.vocab_size, hashed, group, expert_parallel)
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
         hc = (n, d, v4.hc_sinkhorn_iters, v4.hc_eps, cfg.rms_norm_eps)
@@ -225,35 +267,52 @@ class DeepseekV4ForCausalLM(nn.Module):
     # Kept in float32 whatever the serving dtype, as the reference keeps them.
     keep_fp32 = ("hc_", "attn_sink", "ape", "compressor.", "weights_proj", "gate.bias")
 
-    def __init__(self, cfg: ModelConfig, max_position: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_position: int | None = None,
+        group: RankGroup = SINGLE,
+        expert_parallel: bool = False,
+    ) -> None:
+        """``group``: the tensor-parallel group this is one rank's shard of;
+        ``expert_parallel``: its routed experts split whole over the ranks
+        (else each expert's intermediate features)."""
         super().__init__()
         v4 = cfg.deepseek_v4
         assert v4 is not None
         self.config = cfg
+        self.group = group
         max_position = max_position or cfg.max_position_embeddings
         self.ropes = {
             "main": InterleavedRope(v4.main_rope, cfg.head_dim, max_position),
             "compress": InterleavedRope(v4.compress_rope, cfg.head_dim, max_position),
         }
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
         self.layers = nn.ModuleList(
-            [Block(cfg, i, self.ropes) for i in range(cfg.num_hidden_layers)]
+            [
+                Block(cfg, i, self.ropes, group, expert_parallel)
+                for i in range(cfg.num_hidden_layers)
+            ]
         )
         self.hc_head = HyperHead(v4.hc_mult, cfg.hidden_size, v4.hc_eps, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.head = LogitsHead(cfg.hidden_size, cfg.vocab_size)
+        self.head = VocabParallelHead(cfg.hidden_size, cfg.vocab_size, group)
         if cfg.tie_word_embeddings:
             self.head.weight = self.embed.weight
 
     # ---- loading ----------------------------------------------------------
 
-    @staticmethod
-    def checkpoint_key(key: str) -> str | None:
+    def checkpoint_key(self, key: str) -> str | None:
         """Our name for a checkpoint key (DeepSeek's or transformers'); None
-        for what is not part of the target (the MTP / DSpark layers)."""
+        for what is not part of this rank's target (the MTP / DSpark layers,
+        other ranks' experts)."""
         key = key.removeprefix("model.")
         if key.startswith("mtp."):
             return None
+        if ".ffn.experts." in key:
+            layer, expert = key.split(".")[1], key.split(".ffn.experts.")[1].split(".")[0]
+            if not self.layers[int(layer)].ffn.experts.holds(int(expert)):
+                return None
         renames = {
             "embed_tokens.weight": "embed.weight",
             "lm_head.weight": "head.weight",
@@ -264,20 +323,35 @@ class DeepseekV4ForCausalLM(nn.Module):
         return renames.get(key) or hc_names(key)
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
+        return self.checkpoint_layout()[0]
+
+    def checkpoint_layout(self) -> tuple[dict[str, torch.Tensor], dict[str, Shard]]:
+        """Our names -> the tensors they fill, and the names this rank reads
+        a slice of -> that slice."""
         out: dict[str, torch.Tensor] = {}
+        shards: dict[str, Shard] = {}
+        modules = dict(self.named_modules())
         for name, param in self.named_parameters():
-            if ".ffn.experts." not in name:
-                out[name] = param.data
+            if ".ffn.experts." in name:
+                continue
+            module_name, _, attr = name.rpartition(".")
+            part_of = getattr(modules[module_name], "checkpoint_part", None)
+            out[name], shard = part_of(attr) if part_of else (param.data, None)
+            if shard is not None:
+                shards[name] = shard
         for name, buf in self.named_buffers():
             out[name] = buf
         for i, block in enumerate(self.layers):
-            out.update(block.ffn.experts.checkpoint_targets(f"layers.{i}.ffn.experts"))
+            experts, split_keys = block.ffn.experts.checkpoint_layout(f"layers.{i}.ffn.experts")
+            out.update(experts)
+            shards.update(split_keys)
         if self.config.tie_word_embeddings:
             out.pop("head.weight", None)
-        return out
+        return out, shards
 
     def post_load(self) -> None:
         pack_weights(self)
+        self.embed.post_load()
         self.head.post_load()
 
     # ---- the forward --------------------------------------------------------
@@ -311,5 +385,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def compile_dense(self) -> None:
         raise ValueError("enable_torch_compile: not supported for DeepseekV4ForCausalLM yet")
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits ``[R, V]``; under tensor parallelism gathered on
+        rank 0 (None on the others)."""
+        return self.head.gather(self.head(hidden))

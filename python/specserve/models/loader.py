@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -57,31 +57,32 @@ def checkpoint_files(model_path: str) -> list[str]:
 
 
 def iter_checkpoint(
-    files: list[str], shards: dict[str, Shard] | None = None
+    files: list[str], plan: Callable[[str], tuple[bool, Shard | None]] | None = None
 ) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(file, key, tensor) for every tensor of the checkpoint; a key in
-    ``shards`` is read as that slice only (the rest of it never leaves the
-    file)."""
-    shards = shards or {}
+    """(file, key, tensor) for every tensor of the checkpoint that ``plan``
+    reads (``plan(key)``: whether to read it, and the slice to read, None:
+    the whole); the rest never leaves the file."""
     for path in files:
         with safe_open(path, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                shard = shards.get(key)
-                yield (
-                    path,
-                    key,
-                    f.get_tensor(key) if shard is None else read_shard(f, path, key, shard),
-                )
+                read, shard = plan(key) if plan is not None else (True, None)
+                if read:
+                    tensor = f.get_tensor(key) if shard is None else read_shard(f, path, key, shard)
+                    yield path, key, tensor
 
 
-def read_tensors(files: list[str], keys: set[str]) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors named ``keys`` (only those are read)."""
+def read_whole(model: nn.Module, files: list[str], names: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors of ``model`` named ``names`` (our names), read whole from
+    its checkpoint ``files`` whatever this rank holds of them (only those
+    are read)."""
+    rename = getattr(model, "checkpoint_key", None) or (lambda key: key)
     out = {}
     for path in files:
         with safe_open(path, framework="pt") as f:
-            for key in keys & set(f.keys()):
-                out[key] = f.get_tensor(key)
-    missing = sorted(keys - set(out))
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if rename(key) in names:
+                    out[rename(key)] = f.get_tensor(key)
+    missing = sorted(names - set(out))
     if missing:
         raise ValueError(f"{os.path.dirname(files[0])}: missing tensor(s) {missing}")
     return out
@@ -108,18 +109,21 @@ def load_model(
     device: torch.device | str,
     max_position: int | None = None,
     group: RankGroup = SINGLE,
+    expert_parallel: bool = False,
 ) -> DecoderForCausalLM:
     """The model of ``cfg`` from ``model_path``: this rank's shard of it
-    under tensor parallelism (``group``), read slice by slice."""
+    under tensor parallelism (``group``; ``expert_parallel``: whole experts
+    split over the ranks), read slice by slice."""
     cls = resolve_model_class(cfg.architecture)
-    if group.size > 1 and not issubclass(cls, DecoderForCausalLM):
-        raise ValueError(
-            f"tp_size: {cfg.architecture} does not split over ranks yet (Llama and Qwen3 do)"
-        )
+    kwargs: dict = {}
+    if expert_parallel:
+        if cfg.deepseek_v4 is None:
+            raise ValueError(f"ep_size: {cfg.architecture} has no experts to split")
+        kwargs["expert_parallel"] = True
     # Build without initialising (every parameter is overwritten by the
     # checkpoint), straight in the target dtype: no float32 copy ever exists.
     with torch.device("meta"):
-        model = cls(cfg, max_position) if group.size == 1 else cls(cfg, max_position, group)
+        model = cls(cfg, max_position, group, **kwargs)
     model = keep_fp32_(materialize(model, dtype, device))
     if cfg.tie_word_embeddings and hasattr(model, "lm_head"):
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -161,7 +165,9 @@ def checkpoint_layout(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[s
     (``model.packed_modules``) take their checkpoint parts one by one; a
     module with a split weight says which part it holds
     (``checkpoint_part``); a model with its own layout says so itself
-    (``model.checkpoint_targets``)."""
+    (``model.checkpoint_layout``, or ``checkpoint_targets`` without slices)."""
+    if hasattr(model, "checkpoint_layout"):
+        return model.checkpoint_layout()
     if hasattr(model, "checkpoint_targets"):
         return model.checkpoint_targets(), {}
     packed = getattr(model, "packed_modules", {})
@@ -189,13 +195,21 @@ def checkpoint_layout(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[s
 
 
 def dequantize_fp8(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    dtype: torch.dtype,
+    shard: Shard | None = None,
 ) -> torch.Tensor:
     """``weight [N, K]`` float8_e4m3fn times its block's ``scale_inv
-    [ceil(N / bn), ceil(K / bk)]``, in ``dtype``."""
+    [ceil(N / bn), ceil(K / bk)]``, in ``dtype``; ``shard``: ``weight`` is
+    that slice of the tensor the scales are of."""
     n, k = weight.shape
     bn, bk = block
-    scale = scale_inv.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    row = shard.start if shard is not None and shard.dim == 0 else 0
+    col = shard.start if shard is not None and shard.dim == 1 else 0
+    scale = scale_inv.float().repeat_interleave(bn, dim=0)[row : row + n]
+    scale = scale.repeat_interleave(bk, dim=1)[:, col : col + k]
     return (weight.float() * scale).to(dtype)
 
 
@@ -213,15 +227,22 @@ def _scales(files: list[str]) -> dict[str, torch.Tensor]:
 
 
 def _weight_value(
-    path: str, key: str, tensor: torch.Tensor, scales: dict, block: tuple[int, int] | None, dest
+    path: str,
+    key: str,
+    tensor: torch.Tensor,
+    scales: dict,
+    block: tuple[int, int] | None,
+    dest: torch.Tensor,
+    shard: Shard | None,
 ) -> torch.Tensor:
-    """What ``key`` loads as: the tensor, or an FP8 weight dequantised."""
+    """What ``key`` loads as: the tensor, or an FP8 weight dequantised (the
+    ``shard`` of it read)."""
     if tensor.is_floating_point() and tensor.dtype not in FP8_DTYPES:
         return tensor
     if not tensor.is_floating_point() and not dest.is_floating_point():
         return tensor  # an integer table (hash routing's token -> experts)
     if tensor.dtype == torch.float8_e4m3fn and block is not None and key in scales:
-        return dequantize_fp8(tensor, scales[key], block, dest.dtype)
+        return dequantize_fp8(tensor, scales[key], block, dest.dtype, shard)
     why = (
         "an FP8 weight without its weight_scale_inv or a block-scaled quantization_config"
         if tensor.dtype == torch.float8_e4m3fn
@@ -242,25 +263,30 @@ def load_state(
     dequantised into the parameter's dtype. Errors name the file and the key."""
     targets, shards = checkpoint_layout(model)
     expected = {k: v for k, v in targets.items() if k not in skip}
-    if shards and fp8_block is not None:
-        raise ValueError("tp_size: FP8 block-scaled checkpoints do not split over ranks yet")
     scales = _scales(files) if fp8_block is not None else {}
-    rename = getattr(model, "checkpoint_key", None)
+    rename = getattr(model, "checkpoint_key", None) or (lambda key: key)
     loaded: set[str] = set()
     left_out = 0
-    for path, key, tensor in iter_checkpoint(files, shards):
+
+    def plan(key: str) -> tuple[bool, Shard | None]:
+        """Whether this rank reads ``key``, and which slice of it."""
+        nonlocal left_out
         if key.endswith(_IGNORED_SUFFIXES) or key in skip:
-            continue
+            return False, None
         if fp8_block is not None and scaled_weight(key) is not None:
-            continue  # read with its weight
-        if rename is not None:
-            ours = rename(key)
-            if ours is None:
-                left_out += 1
-                continue
-            if key in scales:
-                scales[ours] = scales[key]
-            key = ours
+            return False, None  # read with its weight
+        ours = rename(key)
+        if ours is None:  # another model's, or another rank's
+            left_out += 1
+            return False, None
+        return True, shards.get(ours)
+
+    for path, key, tensor in iter_checkpoint(files, plan):
+        ours = rename(key)
+        assert ours is not None
+        if key in scales:
+            scales[ours] = scales[key]
+        key = ours
         if key not in expected:
             raise ValueError(
                 f"{path}: unexpected tensor {key!r} for {what} (does config.json match the checkpoint?)"
@@ -271,10 +297,13 @@ def load_state(
                 f"{path}: tensor {key!r} has shape {tuple(tensor.shape)}, "
                 f"config.json implies {tuple(dest.shape)}"
             )
-        dest.copy_(_weight_value(path, key, tensor, scales, fp8_block, dest))
+        dest.copy_(_weight_value(path, key, tensor, scales, fp8_block, dest, shards.get(key)))
         loaded.add(key)
     if left_out:
-        logger.info("%s: %d checkpoint tensors (MTP / drafter layers) left out", what, left_out)
+        logger.info(
+            "%s: %d checkpoint tensors (other ranks', MTP / drafter layers) left out",
+            what, left_out,
+        )  # fmt: skip
     missing = sorted(set(expected) - loaded)
     if missing:
         shown = ", ".join(repr(k) for k in missing[:5])

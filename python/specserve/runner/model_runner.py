@@ -77,6 +77,7 @@ class ModelRunner:
             self.device,
             self.context_length,
             group,
+            expert_parallel=config.parallel.ep_size > 1,
         )
         mc = self.model_config
         # This rank's attention heads (all of them at one rank).
@@ -256,6 +257,8 @@ class ModelRunner:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid - 1)
             tokens = lo
+        # Every rank sizes its pools from its own memory; they all take the smallest.
+        tokens = self.group.agree_min(tokens)
         self.group_pages = pages(tokens)
         self.num_pages = self.group_pages[0]
         # One request may grow until an entry group is full.

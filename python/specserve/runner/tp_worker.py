@@ -33,7 +33,9 @@ def run_worker(rank: int, size: int, addr: str, config: EngineConfig, log_level:
 
         device = torch.device(config.device)
         if device.type == "cuda":  # the rank-th of this node's devices from rank 0's
-            device = torch.device("cuda", (device.index or 0) + rank % config.parallel.ranks_per_node)
+            device = torch.device(
+                "cuda", (device.index or 0) + rank % config.parallel.ranks_per_node
+            )
             torch.cuda.set_device(device)
             config = _on_device(config, str(device))
         group = connect(rank, size, addr, device, config.parallel.dist_timeout)

@@ -154,6 +154,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="data-parallel engine replicas; each request goes to the least-loaded one",
     )
     par.add_argument(
+        "--ep-size",
+        type=int,
+        default=ParallelConfig.ep_size,
+        help="expert-parallel ranks (1 or --tp-size): DeepSeek-V4's routed experts split "
+        "whole over them instead of each expert's intermediate features",
+    )
+    par.add_argument(
         "--nnodes", type=int, default=ParallelConfig.nnodes, help="machines the ranks span"
     )
     par.add_argument(

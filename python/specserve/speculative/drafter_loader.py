@@ -20,7 +20,7 @@ from specserve.models.loader import (
     keep_fp32_,
     load_state,
     materialize,
-    read_tensors,
+    read_whole,
 )
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.block_drafter import BlockDrafter
@@ -135,7 +135,12 @@ def load_draft_model(
     if runner.group.size > 1:
         # The target's are split over the ranks; the drafter runs on rank 0
         # alone, with whole copies of them read from the target checkpoint.
-        skip |= load_target_vocab(model, runner)
+        targets = checkpoint_targets(model)
+        dests = {
+            "embed_tokens.weight": ("embed", targets["embed_tokens.weight"]),
+            "lm_head.weight": ("head", targets["lm_head.weight"]),
+        }
+        skip |= load_target_vocab(runner, dests, "model.embed_tokens.weight", "lm_head.weight")
     # The drafter's embedding and lm_head are copies of the target's: share them.
     elif model.embed_tokens.weight.shape == target.model.embed_tokens.weight.shape:
         model.embed_tokens = target.model.embed_tokens
@@ -150,23 +155,25 @@ def load_draft_model(
     return model.requires_grad_(False).eval()
 
 
-def load_target_vocab(model: DSparkDraftModel, runner: ModelRunner) -> set[str]:
-    """Fills the drafter's embedding and lm_head with the target's whole
-    ones where they are the target's shape; returns the keys so filled."""
+def load_target_vocab(
+    runner: ModelRunner, dests: dict[str, torch.Tensor], embed: str, head: str
+) -> set[str]:
+    """Fills ``dests`` (the drafter's embedding and head, by name: which of
+    them are the target's shape) with the target's whole ones, which are
+    split over the ranks (its names ``embed`` and ``head``); returns the
+    names so filled. The drafter runs on rank 0 alone."""
     tcfg = runner.model_config
-    keys = {"embed_tokens.weight": "model.embed_tokens.weight"}
-    keys["lm_head.weight"] = (
-        "model.embed_tokens.weight" if tcfg.tie_word_embeddings else "lm_head.weight"
-    )
-    dests = {k: d for k, d in checkpoint_targets(model).items() if k in keys}
+    source = {"embed": embed, "head": embed if tcfg.tie_word_embeddings else head}
     wanted = {
-        keys[k]: d for k, d in dests.items() if d.shape == (tcfg.vocab_size, tcfg.hidden_size)
+        name: source[kind]
+        for name, (kind, d) in dests.items()
+        if d.shape == (tcfg.vocab_size, tcfg.hidden_size)
     }
-    for key, tensor in read_tensors(
-        checkpoint_files(runner.config.model_path), set(wanted)
-    ).items():
-        wanted[key].copy_(tensor)
-    return {k for k in dests if keys[k] in wanted}
+    files = checkpoint_files(runner.config.model_path)
+    whole = read_whole(runner.model, files, set(wanted.values()))
+    for name, src in wanted.items():
+        dests[name][1].copy_(whole[src])
+    return set(wanted)
 
 
 def load_v4_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
@@ -182,7 +189,15 @@ def load_v4_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
     with torch.device("meta"):
         model = DSparkV4DraftModel(tcfg, dcfg, use_heads, runner.context_length)
     model = keep_fp32_(materialize(model, runner.dtype, runner.device))
-    model.embed, model.head = runner.model.embed, runner.model.head
+    if runner.group.size > 1:  # whole copies on rank 0 (the drafter's own modules)
+        dests = {
+            "embed": ("embed", model.embed.weight.data),
+            "head": ("head", model.head.weight.data),
+        }
+        load_target_vocab(runner, dests, "embed.weight", "head.weight")
+        model.head.post_load()
+    else:
+        model.embed, model.head = runner.model.embed, runner.model.head
     what = f"{dcfg.num_stages}-stage DeepSeek-V4 DSpark drafter"
     load_state(model, checkpoint_files(path), what, fp8_block=tcfg.fp8_block)
     pack_weights(model.stages)
