@@ -116,6 +116,42 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# DeepSeek-V4's projections that its releases store in FP8.
+FP8_KEYS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "w1", "w2", "w3")
+
+
+def fp8_v4_copy(v4_path: str, fp8: str, plain: str) -> dict[str, torch.Tensor]:
+    """Writes ``v4_path`` with its ``FP8_KEYS`` weights FP8 block-scaled
+    (``fp8``; both spellings of the scales, transformers' and DeepSeek's)
+    and the same weights dequantised (``plain``); returns the latter."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(os.path.join(v4_path, "model.safetensors"))
+    for d in (fp8, plain):
+        shutil.copytree(v4_path, d, ignore=shutil.ignore_patterns("*.safetensors"))
+    quantised, dequantised = {}, {}
+    for i, (key, w) in enumerate(state.items()):
+        if key.rsplit(".", 2)[-2] in FP8_KEYS:
+            q, s = quantize(w.float())
+            scale_key = key + "_scale_inv" if i % 2 else key.removesuffix(".weight") + ".scale"
+            quantised[key], quantised[scale_key] = q, s
+            dequantised[key] = dequantize(q, s)
+        else:
+            quantised[key] = dequantised[key] = w
+    assert {k.rsplit(".", 1)[-1] for k in quantised} >= {"scale", "weight_scale_inv"}
+    save_file(quantised, os.path.join(fp8, "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantised, os.path.join(plain, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(fp8, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(BLOCK)}
+    with open(os.path.join(fp8, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dequantised
+
+
 @contextlib.contextmanager
 def earlier_entry_wins():
     """transformers' indexer with our tie rule: a perturbation far below any

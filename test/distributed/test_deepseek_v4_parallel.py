@@ -68,3 +68,31 @@ def test_v4_tp2_equals_tp1(v4, spec, ep) -> None:
     _assert_same(want, got)
     if spec != "plain":
         assert got[0]["meta_info"]["spec_verify_ct"] > 0
+
+
+def test_fp8_v4_shards(v4, tmp_path) -> None:
+    """An FP8 block-scaled V4 split over 2 ranks: each rank's slices are the
+    dequantised checkpoint's (the block scales follow the slice), and it
+    serves as one rank does."""
+    import torch
+
+    from models_zoo import fp8_v4_copy
+    from specserve.config import ModelConfig
+    from specserve.distributed import RankGroup
+    from specserve.models.loader import load_model
+
+    fp8 = str(tmp_path / "fp8")
+    full = fp8_v4_copy(v4["target"], fp8, str(tmp_path / "dequantised"))
+    cfg = ModelConfig.from_path(fp8)
+    model = load_model(fp8, cfg, torch.float32, "cpu", 64, RankGroup(1, 2))
+    attn, experts = model.layers[1].attn, model.layers[1].ffn.experts
+    wq_b = full["model.layers.1.attn.wq_b.weight"]
+    assert torch.equal(attn.wq_b.weight, wq_b[wq_b.shape[0] // 2 :])
+    w2 = full["model.layers.1.ffn.experts.3.w2.weight"]  # [d, I]: columns split
+    assert torch.equal(experts.w2[3], w2[:, w2.shape[1] // 2 :])
+    kw = dict(device="cpu", max_total_tokens=4096, chunked_prefill_size=16)
+    with Engine(model_path=fp8, **kw) as one:
+        want = _run(one)
+    with Engine(model_path=fp8, tp_size=2, **kw) as two:
+        got = _run(two)
+    _assert_same(want, got)

@@ -9,23 +9,14 @@ score gap, so it changes nothing but the order of exact ties.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from models_zoo import (
-    BLOCK,
-    dequantize,
-    earlier_entry_wins,
-    hf_sequence_logprobs,
-    quantize,
-    random_prompts,
-)
+from models_zoo import earlier_entry_wins, fp8_v4_copy, hf_sequence_logprobs, random_prompts
 from specserve import Engine
 from specserve.cache.block_pool import cache_groups
 from specserve.config import ModelConfig
@@ -211,9 +202,6 @@ def test_window_pages_are_freed_and_pools_match_accounting(v4_path) -> None:
         assert sum(t.nbytes for t in tensors) == runner.group_pages[g] * paid[g]
 
 
-FP8_KEYS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "w1", "w2", "w3")
-
-
 def test_fp8_block_scaled_v4_serves_like_its_dequantised_source(v4_path, tmp_path) -> None:
     """DeepSeek's projections FP8 block-scaled (experts included): served
     within fp8 rounding of the source, and exactly like transformers on the
@@ -222,26 +210,7 @@ def test_fp8_block_scaled_v4_serves_like_its_dequantised_source(v4_path, tmp_pat
 
     state = load_file(os.path.join(v4_path, "model.safetensors"))
     fp8, plain = str(tmp_path / "fp8"), str(tmp_path / "dequantised")
-    for d in (fp8, plain):
-        shutil.copytree(v4_path, d, ignore=shutil.ignore_patterns("*.safetensors"))
-    quantised, dequantised = {}, {}
-    for i, (key, w) in enumerate(state.items()):
-        if key.rsplit(".", 2)[-2] in FP8_KEYS:
-            q, s = quantize(w.float())
-            # Both spellings of the scales: transformers' and DeepSeek's own.
-            scale_key = key + "_scale_inv" if i % 2 else key.removesuffix(".weight") + ".scale"
-            quantised[key], quantised[scale_key] = q, s
-            dequantised[key] = dequantize(q, s)
-        else:
-            quantised[key] = dequantised[key] = w
-    assert {k.rsplit(".", 1)[-1] for k in quantised} >= {"scale", "weight_scale_inv"}
-    save_file(quantised, os.path.join(fp8, "model.safetensors"), metadata={"format": "pt"})
-    save_file(dequantised, os.path.join(plain, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(fp8, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(BLOCK)}
-    with open(os.path.join(fp8, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    dequantised = fp8_v4_copy(v4_path, fp8, plain)
 
     eng = engine(fp8)
     w = dict(eng.runner.model.named_parameters())["layers.1.attn.wq_b.weight"]
