@@ -9,9 +9,11 @@
 # versions, the gpu-marked tests (kernels at full vocab, paged attention at
 # Qwen3-8B shapes, the engine in bf16 on the demo, CUDA graphs against eager
 # steps, a Qwen3-8B-shaped model under load), bench_kernels.py,
-# bench_cuda_graph.py and bench_spec.py on the demo. Everything
+# bench_cuda_graph.py and bench_spec.py on the demo, and the gpu stage:
+# tensor parallelism over NCCL (TP=2 == TP=1; skipped with a message on a
+# machine with one device). Everything
 # goes to OUTDIR: gpu_check.log and a few JSON files (at most 8 files).
-# The timeouts add up to under 9 minutes. Exits 1 if any stage failed. On a
+# The timeouts add up to under 9 minutes (10.5 where the gpu stage runs). Exits 1 if any stage failed. On a
 # machine without CUDA the tests skip in seconds and the benchmarks are left out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +63,13 @@ else
     stage bench-spec 100 python benchmark/bench_spec.py --demo --dataset held-in \
         --algorithms DSPARK --batch-sizes 1 8 32 --num-prompts 32 --input-len 64 \
         --output-len 64 --repeats 2 --output-json "$out/bench_spec.json"
+fi
+
+if [ -n "$dry" ] || python -c 'import sys, torch; sys.exit(torch.cuda.device_count() < 2)'; then
+    stage gpu 90 python -m pytest -m gpu -p no:cacheprovider -q -rs test/distributed/test_nccl.py
+else
+    echo "gpu_check: gpu stage skipped: TP=2 over NCCL needs 2 CUDA devices, this machine has fewer" \
+        | tee -a "$log"
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then
