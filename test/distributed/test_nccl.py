@@ -17,9 +17,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices for TP=2")
 def test_nccl_tp2_equals_one_device() -> None:
     prompts = random_prompts(4, [5, 30, 12, 64], seed=2)
-    kw = dict(
-        device="cuda", dtype="float32", max_total_tokens=4096, grammar_backend="none"
-    )
+    kw = dict(device="cuda", dtype="float32", max_total_tokens=4096, grammar_backend="none")
     args = dict(
         input_ids=prompts,
         sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True},
