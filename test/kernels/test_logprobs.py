@@ -11,6 +11,7 @@ from specserve.kernels.logprobs import (
     row_logprobs,
     row_logprobs_ref,
     row_logprobs_triton,
+    topk_lowest_id,
 )
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -157,6 +158,26 @@ def test_triton_ties_prefer_lower_index() -> None:
 
 
 @needs_triton
+def test_reference_ties_prefer_lower_index() -> None:
+    """The torch path breaks ties as the kernel does: lowest id first, and
+    the lowest ids of a tie cut by k (``torch.topk`` alone shuffles them)."""
+    logits = torch.zeros(3, 40)
+    logits[1, [33, 7, 21]] = 2.0  # a three-way tie on top, then 37 zeros
+    logits[2, 5] = -0.0  # ties with +0.0
+    logits[2, 30:] = NEG_INF
+    out = row_logprobs_ref(logits, torch.zeros(3, dtype=torch.int64), top_k=5)
+    assert out.top_ids.tolist() == [[0, 1, 2, 3, 4], [7, 21, 33, 0, 1], [0, 1, 2, 3, 4]]
+    want = torch.log_softmax(logits, dim=-1).gather(1, out.top_ids)
+    torch.testing.assert_close(out.top_values, want)
+    # Many ties, every k: what a stable descending sort keeps, in its order.
+    g = torch.Generator().manual_seed(0)
+    for k in range(1, 41):
+        x = (torch.randn(4, 40, generator=g) * 2).round()
+        values, ids = topk_lowest_id(x, k)
+        sorted_values, order = torch.sort(x, descending=True, stable=True)
+        assert torch.equal(ids, order[:, :k]) and torch.equal(values, sorted_values[:, :k])
+
+
 def test_triton_default_block_via_dispatcher() -> None:
     # V spans three default-size chunks with a masked tail.
     g = torch.Generator().manual_seed(2)

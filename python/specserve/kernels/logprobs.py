@@ -56,13 +56,44 @@ def row_logprobs_ref(
     # A row with no possible token at all: every logprob is -inf, not NaN.
     logprobs = logprobs.masked_fill(logprobs.isnan(), float("-inf"))
     token_logprobs = logprobs.gather(1, token_ids.long().unsqueeze(1)).squeeze(1)  # [N]
-    top_values, top_ids = torch.topk(logprobs, top_k, dim=-1)  # [N, K]
+    top_values, top_ids = topk_lowest_id(logprobs, top_k)  # [N, K]
     if gather_ids is None:
         gather_ids = torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
     pad = gather_ids < 0  # [N, M]
     ids_logprobs = logprobs.gather(1, gather_ids.long().clamp(min=0))  # [N, M]
     ids_logprobs = ids_logprobs.masked_fill(pad, float("nan"))
     return RowLogprobs(token_logprobs, top_values, top_ids.long(), ids_logprobs)
+
+
+def topk_lowest_id(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(x, k)`` of rows ``x [N, V]`` (no NaN), ties to the lowest
+    index, as the kernel breaks them: ``torch.topk`` orders ties as it likes
+    on the CPU (the ids of an all-equal row come out shuffled), so which of
+    tied tokens a top-k reports, and in what order, would depend on the
+    backend and on the tensor-parallel split."""
+    if k == 0:
+        return torch.topk(x, 0, dim=-1)
+    # One more than asked: whether the k-th value ties with one left out.
+    values, ids = torch.topk(x, min(k + 1, x.shape[-1]), dim=-1)  # [N, K (+1)]
+    reorder = False
+    if values.shape[1] > k:
+        cut = values[:, k] == values[:, k - 1]  # [N]; -0.0 ties with +0.0
+        values, ids = values[:, :k], ids[:, :k]
+        if cut.any():  # rare: the tied ids taken are the lowest ones
+            rows = cut.nonzero().squeeze(1)
+            xr, kth = x[rows], values[rows, -1:]
+            tied = xr == kth  # [n, V]
+            room = k - (xr > kth).sum(dim=-1, keepdim=True)  # [n, 1] places left for the tied
+            take = (xr > kth) | (tied & (tied.cumsum(dim=-1) <= room))  # [n, V]: k per row
+            ids = ids.clone()
+            ids[rows] = take.nonzero()[:, 1].view(rows.numel(), k)
+            reorder = True
+    if reorder or (k > 1 and (values[:, 1:] == values[:, :-1]).any()):  # ties: in id order
+        ids = ids.sort(dim=-1).values
+        values = x.gather(1, ids)
+        order = values.argsort(dim=-1, descending=True, stable=True)
+        values, ids = values.gather(1, order), ids.gather(1, order)
+    return values, ids
 
 
 if HAS_TRITON:
