@@ -171,7 +171,8 @@ def compare_tp(args: argparse.Namespace, path: str) -> int:
     )
     one = Engine(**kw)
     many = Engine(tp_size=args.tp_size, **kw)
-    vocab = min(one.runner.vocab_size, len(one.tokenizer))
+    vocab_size = one.runner.vocab_size
+    vocab = min(vocab_size, len(one.tokenizer))
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(4, vocab, (max_bs, args.input_len), generator=g).tolist()
     sp = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
@@ -220,9 +221,26 @@ def compare_tp(args: argparse.Namespace, path: str) -> int:
         f"weights: TP=1 {memory['tp1_weights_mib']:.1f} MiB, each TP={args.tp_size} rank "
         f"{memory['rank0_weights_mib']:.1f} MiB; peak RSS by rank (MiB): {memory['peak_rss_mib']}"
     )
+    # What scoring a decode step's rows moves between the ranks: the logits
+    # gathered (today's engine path) vs the vocab-parallel reductions.
+    from specserve.sampling.vocab_parallel import gather_bytes, logprob_bytes
+
+    traffic = []
+    for bs in args.batch_sizes:
+        g = gather_bytes(bs, vocab_size, args.tp_size)
+        p = logprob_bytes(bs, 5, 0, args.tp_size)
+        traffic.append({"rows": bs, "gather_bytes": g, "vocab_parallel_bytes": p})
+        print(
+            f"bytes per step, {bs} rows with top-5 logprobs: logits gathered {g:,}, "
+            f"vocab-parallel {p:,} ({g / p:.0f}x less)"
+        )
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "memory": memory}, f, indent=2)
+            json.dump(
+                {"args": vars(args), "rows": rows, "memory": memory, "traffic": traffic},
+                f,
+                indent=2,
+            )
     return 0 if all(r["same"] for r in rows) else 1
 
 

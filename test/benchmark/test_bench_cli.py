@@ -64,7 +64,9 @@ def test_gpu_check_is_well_formed_and_skips_without_cuda(tmp_path) -> None:
     )
     assert dry.returncode == 0, dry.stderr
     stages = [line.split()[1] for line in dry.stdout.splitlines() if line.startswith("== ")]
-    assert stages == ["versions", "gpu-tests", "bench-kernels", "bench-cuda-graph", "bench-spec"]
+    assert stages == [
+        "versions", "gpu-tests", "bench-kernels", "bench-cuda-graph", "bench-spec", "gpu"
+    ]  # fmt: skip
     if torch.cuda.is_available():
         return
     # The real run, on a CPU machine: the gpu tests skip and nothing else runs.
@@ -73,6 +75,7 @@ def test_gpu_check_is_well_formed_and_skips_without_cuda(tmp_path) -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:]
     assert "needs a CUDA device" in done.stdout and "benchmarks are left out" in done.stdout
+    assert "gpu stage skipped: TP=2 over NCCL needs 2 CUDA devices" in done.stdout
     assert os.path.isfile(tmp_path / "out" / "gpu_check.log")
 
 

@@ -26,8 +26,8 @@ def run_worker(rank: int, size: int, addr: str, config: EngineConfig, log_level:
         level=log_level, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s"
     )
     exit_with_parent()
-    # The ranks share the machine's cores.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    # The ranks on this machine share its cores.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.ranks_per_node))
     try:
         from specserve.runner.model_runner import ModelRunner
 

@@ -18,6 +18,23 @@ import time
 logger = logging.getLogger("specserve.server")
 
 
+def share_cpu_cores(args: argparse.Namespace) -> None:
+    """On the CPU, this process's share of the cores when it is one of
+    several ranks or replicas on this machine (its workers take theirs):
+    more threads than cores leave every rank waiting on the others."""
+    import os
+
+    import torch
+
+    from specserve.config import default_device
+
+    on_node = args.tp_size // args.nnodes * args.dp_size
+    if on_node > 1 and (args.device or default_device()) == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // on_node))
+        logger.info("CPU threads: %d of this process's (%d ranks and replicas)",
+                    torch.get_num_threads(), on_node)  # fmt: skip
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -35,6 +52,7 @@ def serve(args: argparse.Namespace) -> int:
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("specserve").setLevel(cfg.log_level.upper())
+    share_cpu_cores(args)
     if args.node_rank > 0:  # this node runs ranks only; node 0 serves
         from specserve.config import EngineConfig
         from specserve.runner.tp_worker import serve_node
