@@ -127,3 +127,25 @@ def test_two_nodes(tmp_path) -> None:
     assert got["text"] == want["text"]
     lps = [e[0] for e in want["meta_info"]["output_token_logprobs"]]
     assert got["logprobs"]["token_logprobs"] == pytest.approx(lps, abs=1e-5)
+
+
+def test_a_forward_failing_on_rank_0_stops_the_group(monkeypatch) -> None:
+    """Rank 0 failing inside a forward its workers run too must not be
+    retried as one request's failure (the workers may be waiting in one of
+    its collectives, which the next forward's would meet): the engine stops,
+    the request gets the error, the worker is ended."""
+    eng = Engine(model_path=model_path("qwen3"), device="cpu", tp_size=2, max_total_tokens=1024)
+    (worker,) = eng.ranks.pids.values()
+    model = eng.runner.model
+
+    def broken(hidden):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(model, "compute_logits", broken)
+    try:
+        out = eng.generate(input_ids=[[1, 2, 3], [4, 5]], sampling_params={"max_new_tokens": 2})
+        assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in out)
+        assert "rank 0 failed in a tensor-parallel forward" in eng.error
+    finally:
+        eng.shutdown()
+    wait_exited(worker, timeout=10)

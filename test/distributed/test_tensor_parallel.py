@@ -233,3 +233,23 @@ def test_a_plan_longer_than_one_message(models) -> None:
         got = two.generate(**args)
     assert got["output_ids"] == want["output_ids"]
     _assert_close_logprobs(want, got)
+
+
+def test_tp4_equals_tp1(models) -> None:
+    """Four ranks: each KV head replicated on two of them, the vocabulary
+    split in four; DSPARK as plain decoding at one rank."""
+    kw = dict(device="cpu", max_total_tokens=4096, page_size=4, **_dspark(models["vanilla"]))
+    args = dict(
+        input_ids=PROMPTS,
+        sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+        return_logprob=True,
+        top_logprobs_num=3,
+    )
+    with Engine(model_path=models["qwen3"], **kw) as one:
+        want = one.generate(**args)
+    with Engine(model_path=models["qwen3"], tp_size=4, **kw) as four:
+        assert four.runner.heads.kv_count == 1 and len(four.ranks.pids) == 3
+        got = four.generate(**args)
+    for a, b in zip(want, got):
+        assert a["output_ids"] == b["output_ids"]
+        _assert_close_logprobs(a, b)

@@ -13,7 +13,7 @@ from specserve.cache.block_pool import CacheGroup, cache_groups
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig, ModelConfig
 from specserve.core import BatchEntry, ScheduledBatch
-from specserve.distributed import SINGLE, RankGroup
+from specserve.distributed import SINGLE, DistributedError, RankGroup
 from specserve.distributed.plan import PlanChannel
 from specserve.layers.attention import (
     AttentionBackend,
@@ -271,9 +271,18 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> ForwardOutput:
         """The batch's forward (on every rank of the group: its plan goes
-        out first)."""
+        out first). Under tensor parallelism a forward that fails here fails
+        the group (``DistributedError``): the other ranks may be waiting in
+        one of its collectives, and the next forward's would meet theirs."""
         self.plans.send(batch)
-        return self._forward(batch)
+        if self.group.size == 1:
+            return self._forward(batch)
+        try:
+            return self._forward(batch)
+        except DistributedError:
+            raise
+        except Exception as e:
+            raise DistributedError(f"rank 0 failed in a tensor-parallel forward: {e!r}") from e
 
     def serve_plans(self) -> None:
         """A worker rank: runs rank 0's forwards until it stops."""
