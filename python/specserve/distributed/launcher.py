@@ -32,8 +32,8 @@ def free_addr() -> str:
 
 
 class WorkerRanks:
-    """Ranks ``first..size-1`` of a group, each ``target(rank, size, addr,
-    *args)`` in a process of its own."""
+    """The worker ranks ``ranks`` of a group of ``size``, each
+    ``target(rank, size, addr, *args)`` in a process of its own."""
 
     def __init__(
         self,
@@ -105,10 +105,9 @@ class WorkerRanks:
         return None
 
     def close(self, stop: Callable[[None], None] | None = None, timeout: float = 10.0) -> None:
-        """Ends the workers: ``stop(None)`` sends them the stop plan (None:
-        the group is broken, they are terminated at once); waits up to
-        ``timeout`` s for them to exit, then terminates, then kills what is
-        left."""
+        """Ends the workers: ``stop(None)`` sends them the stop plan and they
+        get up to ``timeout`` s to exit; what is left then (everything, when
+        ``stop`` is None: the group is broken) is killed."""
         self._closing.set()
         if stop is None:
             timeout = 0.0

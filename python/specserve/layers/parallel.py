@@ -2,9 +2,10 @@
 only that slice from the checkpoint (``Shard``).
 
 - column-parallel: a projection's output features split (``MergedLinear``
-  with ``sources``: q/k/v by heads, gate/up by intermediate features);
+  with ``sources``: q/k/v by heads, gate/up by intermediate features;
+  ``ColumnParallelLinear`` for one projection);
 - ``RowParallelLinear``: input features split, partial outputs summed by an
-  all-reduce (o_proj, down_proj);
+  all-reduce (o_proj, down_proj; or by its caller, with others);
 - ``VocabParallelEmbedding`` / ``VocabParallelHead``: the vocabulary split,
   padded to a multiple of the ranks (the padding rows are zero; their
   logits never leave the shard).
