@@ -149,3 +149,22 @@ def test_a_forward_failing_on_rank_0_stops_the_group(monkeypatch) -> None:
     finally:
         eng.shutdown()
     wait_exited(worker, timeout=10)
+
+
+def test_a_script_that_never_shuts_down_still_exits(tmp_path) -> None:
+    """Python's exit terminates an engine's worker ranks (daemon children) and
+    waits for them: they give SIGTERM a grace period, then go (no hang)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "forgets.py"
+    script.write_text(
+        "from specserve import Engine\n"
+        "if __name__ == '__main__':\n"
+        f"    eng = Engine(model_path={model_path('qwen3')!r}, device='cpu', tp_size=2,\n"
+        "                 max_total_tokens=1024)\n"
+        "    print(eng.generate(input_ids=[1, 2], sampling_params={'max_new_tokens': 2}))\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "output_ids" in done.stdout

@@ -120,7 +120,7 @@ class WorkerRanks:
         deadline = time.monotonic() + timeout
         for p in self.procs.values():
             p.join(timeout=max(0.0, deadline - time.monotonic()))
-        # Workers ignore SIGTERM (rank 0 ends them): a kill it is.
+        # Workers give SIGTERM a grace period (rank 0 ends them): a kill it is.
         for p in self.procs.values():
             if p.is_alive():
                 p.kill()
@@ -131,18 +131,33 @@ class WorkerRanks:
         return {r: p.pid for r, p in self.procs.items()}
 
 
+# Seconds a worker given SIGTERM waits for rank 0 to stop it in order.
+TERM_GRACE = 5.0
+
+
 def exit_with_parent(poll: float = 0.5) -> None:
-    """In a worker: leaves its end to rank 0 and exits the process as soon as
-    its parent (rank 0) is gone, even while a collective blocks the main
-    thread. A Ctrl-C or SIGTERM to the server's process group stops rank 0,
-    which stops its workers in order: they ignore both signals."""
+    """In a worker (first thing, before any other thread starts): leaves its
+    end to rank 0 and exits as soon as its parent is gone, even while a
+    collective blocks the main thread. A Ctrl-C or SIGTERM to the server's
+    process group stops rank 0, which stops its workers in order: they
+    ignore SIGINT, and SIGTERM leaves them ``TERM_GRACE`` seconds for it
+    (then they go: a parent exiting without stopping them terminates its
+    daemon children and waits for them)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # SIGTERM to a thread of its own: the main thread may sit in a collective
+    # for as long as the server idles, where no Python handler runs.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     parent = os.getppid()
 
-    def watch() -> None:
+    def watch_parent() -> None:
         while os.getppid() == parent:
             time.sleep(poll)
         os._exit(1)
 
-    threading.Thread(target=watch, name="specserve-parent-watch", daemon=True).start()
+    def on_sigterm() -> None:
+        signal.sigwait({signal.SIGTERM})
+        time.sleep(TERM_GRACE)
+        os._exit(0)
+
+    threading.Thread(target=watch_parent, name="specserve-parent-watch", daemon=True).start()
+    threading.Thread(target=on_sigterm, name="specserve-sigterm", daemon=True).start()

@@ -78,8 +78,6 @@ class Engine:
             if self.ranks is not None:
                 self.ranks.close()
             raise
-        if self.ranks is not None:
-            self.ranks.on_loss(self._rank_lost)
         mc = self.runner.model_config
         self.eos_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         self._grammar: GrammarBackend | None = None
@@ -109,6 +107,8 @@ class Engine:
         # Set when the engine stopped on an error no request caused (a device
         # error, a scheduler bug): every request ends and no new one is taken.
         self.error: str | None = None
+        if self.ranks is not None:  # a lost worker rank stops the engine, even idle
+            self.ranks.on_loss(self._rank_lost)
         # Kernels compile on their first launch: on CUDA, and for compiled layers.
         compiles = self.runner.device.type == "cuda" or self.config.enable_torch_compile
         if compiles and not self.config.skip_server_warmup:
