@@ -473,6 +473,11 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
+        if self.enable_torch_compile and self.parallel.tp_size > 1:
+            raise ValueError(
+                "enable_torch_compile: not supported with tp_size > 1 yet (the compiled "
+                "layers would hold the ranks' collectives)"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -73,13 +73,20 @@ def test_ngram_first_flag_reaches_the_spec_config(tmp_path) -> None:
         assert EngineConfig.from_kwargs(str(tmp_path), **kwargs).spec.ngram_first is want
 
 
-def test_grammar_limit_flags_reach_the_engine_config(tmp_path) -> None:
-    from specserve.config import EngineConfig, LimitsConfig
+def flags_config(model_path, *flags: str):
+    """The EngineConfig ``specserve serve --model-path M FLAGS`` builds."""
+    from specserve.config import EngineConfig
     from specserve.server.args import engine_kwargs
 
-    def config(*flags: str) -> EngineConfig:
-        kwargs = engine_kwargs(parsed("serve", "--model-path", str(tmp_path), *flags))
-        return EngineConfig.from_kwargs(str(tmp_path), **kwargs)
+    kwargs = engine_kwargs(parsed("serve", "--model-path", str(model_path), *flags))
+    return EngineConfig.from_kwargs(str(model_path), **kwargs)
+
+
+def test_grammar_limit_flags_reach_the_engine_config(tmp_path) -> None:
+    from specserve.config import LimitsConfig
+
+    def config(*flags: str):
+        return flags_config(tmp_path, *flags)
 
     default = config()
     assert (default.grammar_compile_timeout, default.grammar_compile_max_memory) == (30.0, 4096)
@@ -97,6 +104,36 @@ def test_grammar_limit_flags_reach_the_engine_config(tmp_path) -> None:
         (("--grammar-compile-timeout", "inf"), "grammar_compile_timeout must be"),
         (("--grammar-compile-max-memory", "0"), "grammar_compile_max_memory must be"),
         (("--max-grammar-length", "0"), "max_grammar_length must be"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            config(*flags)
+
+
+def test_parallel_flags_reach_the_config_and_bad_layouts_are_named(tmp_path) -> None:
+    def config(*flags: str):
+        return flags_config(tmp_path, *flags)
+
+    par = config(
+        "--tp-size", "4", "--ep-size", "4", "--dp-size", "2", "--nnodes", "2",
+        "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000", "--dist-timeout", "30",
+    ).parallel  # fmt: skip
+    assert (par.tp_size, par.ep_size, par.dp_size, par.nnodes, par.node_rank) == (4, 4, 2, 2, 1)
+    assert (par.dist_init_addr, par.dist_timeout, par.node_ranks) == (
+        "10.0.0.1:5000",
+        30.0,
+        range(2, 4),
+    )
+    assert config().parallel.tp_size == 1
+    for flags, message in (
+        (("--tp-size", "0"), "tp_size must be"),
+        (("--dp-size", "0"), "dp_size must be"),
+        (("--tp-size", "4", "--ep-size", "2"), "ep_size must be 1 or tp_size"),
+        (("--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"), "nnodes must be"),
+        (("--tp-size", "2", "--nnodes", "2"), "dist_init_addr .* is required"),
+        (("--node-rank", "1"), "node_rank must be in"),
+        (("--dist-init-addr", "nohost"), "dist_init_addr must be host:port"),
+        (("--dist-timeout", "0"), "dist_timeout must be"),
+        (("--tp-size", "2", "--enable-torch-compile"), "enable_torch_compile: not supported"),
     ):
         with pytest.raises(ValueError, match=message):
             config(*flags)
