@@ -28,7 +28,10 @@ SCHEMA = {
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp-models")
     qwen3 = model_path("qwen3")
+    # A hot vocabulary for --speculative-token-map: every third token.
+    torch.save(torch.arange(0, 528, 3), root / "token_map.pt")
     return {
+        "token_map": str(root / "token_map.pt"),
         "qwen3": qwen3,
         "llama-tied": model_path("llama-tied"),
         # One KV head (replicated on both ranks), 527 ids (one padding row).
@@ -54,6 +57,15 @@ CASES = {
     "llama-1kv-plain": ("llama-1kv", lambda m: {}),
     "dspark-vanilla": ("qwen3", lambda m: _dspark(m["vanilla"])),
     "dspark-gated": ("qwen3", lambda m: _dspark(m["gated"])),
+    # The budget schedule profiles verify forwards at start-up (through plans).
+    "dspark-budget-token-map": (
+        "qwen3",
+        lambda m: _dspark(
+            m["vanilla"],
+            speculative_dspark_schedule="budget",
+            speculative_token_map=m["token_map"],
+        ),
+    ),
     "dspark-rnn-ngram-first": (
         "qwen3",
         lambda m: _dspark(m["rnn"], speculative_ngram_first=True),
@@ -111,15 +123,22 @@ def _assert_close_logprobs(a: dict, b: dict) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_tp2_equals_tp1(models, case) -> None:
+def test_tp2_equals_tp1(models, case, tmp_path) -> None:
     model, spec = CASES[case]
     kw = dict(device="cpu", max_total_tokens=4096, page_size=4, **spec(models))
-    with Engine(model_path=models[model], **kw) as one:
-        want = _run(one)
+    budget = case == "dspark-budget-token-map"
+    if budget:
+        # The schedule follows measured step times: TP=2 profiles (its verify
+        # forwards go through plans) and saves the table, TP=1 reuses it, so
+        # both verify the same drafts and draw the same random numbers.
+        kw["speculative_dspark_sps_table_path"] = str(tmp_path / "sps.json")
     with Engine(model_path=models[model], tp_size=2, **kw) as two:
         assert two.runner.group.size == 2
         got = _run(two)
         assert two.free_pages() == two.total_pages()
+        assert not budget or two.proposer.sps is not None
+    with Engine(model_path=models[model], **kw) as one:
+        want = _run(one)
     for a, b in zip(want["greedy"], got["greedy"]):
         assert a["output_ids"] == b["output_ids"]
         _assert_close_logprobs(a, b)
