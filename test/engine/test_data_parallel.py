@@ -12,6 +12,8 @@ import pytest
 from models_zoo import model_path, random_prompts
 from server_harness import running_server
 from specserve import DataParallelEngine, Engine
+from specserve.config import EngineConfig
+from specserve.engine.data_parallel import replica_device
 
 PROMPTS = random_prompts(64, [5, 12, 30, 7], seed=9)
 
@@ -87,3 +89,16 @@ def test_dp2_of_tp2_groups() -> None:
         assert [len(e.ranks.pids) for e in dp.replicas] == [1, 1]
         got = [o["output_ids"] for o in dp.generate(input_ids=PROMPTS[:4], sampling_params=sp)]
     assert got == want
+
+
+def test_replica_devices() -> None:
+    """CUDA replicas take devices in blocks of tp_size from the configured
+    one (an explicit --device included); CPU replicas share the CPU."""
+    for device, tp, want in (
+        ("cuda", 1, ["cuda:0", "cuda:1"]),
+        ("cuda:2", 2, ["cuda:2", "cuda:4"]),
+    ):
+        cfg = EngineConfig.from_kwargs(model_path("qwen3"), device=device, dp_size=2, tp_size=tp)
+        assert [replica_device(cfg, r)["device"] for r in range(2)] == want
+    cfg = EngineConfig.from_kwargs(model_path("qwen3"), device="cpu", dp_size=2)
+    assert replica_device(cfg, 1) == {}

@@ -35,7 +35,8 @@ class DataParallelEngine:
         self.replicas: list[Engine] = []
         try:
             for r in range(par.dp_size):
-                self.replicas.append(Engine(model_path, **replica_args, **self._device(r)))
+                device = replica_device(self.config, r)
+                self.replicas.append(Engine(model_path, **{**replica_args, **device}))
         except BaseException:
             for eng in self.replicas:
                 eng.shutdown()
@@ -50,15 +51,6 @@ class DataParallelEngine:
         self.requests = min(self.replicas, key=lambda e: e.core.capacity_tokens).requests
         self._owner: dict[str, Engine] = {}  # rid -> its replica, while in flight
         self._lock = threading.Lock()
-
-    def _device(self, replica: int) -> dict[str, str]:
-        """Replica ``replica``'s first device: CUDA devices in blocks of
-        ``tp_size``; every replica on the CPU shares it."""
-        device = self.config.device
-        if not device.startswith("cuda"):
-            return {}
-        first = int(device.partition(":")[2] or 0)
-        return {"device": f"cuda:{first + replica * self.config.parallel.tp_size}"}
 
     # ---- routing ------------------------------------------------------------
 
@@ -202,6 +194,16 @@ class DataParallelEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def replica_device(config: EngineConfig, replica: int) -> dict[str, str]:
+    """The ``device`` engine argument of replica ``replica``: CUDA devices in
+    blocks of ``tp_size`` from the configured one; none on the CPU (every
+    replica shares it)."""
+    if not config.device.startswith("cuda"):
+        return {}
+    first = int(config.device.partition(":")[2] or 0)
+    return {"device": f"cuda:{first + replica * config.parallel.tp_size}"}
 
 
 @dataclasses.dataclass

@@ -156,12 +156,13 @@ def load_draft_model(
 
 
 def load_target_vocab(
-    runner: ModelRunner, dests: dict[str, torch.Tensor], embed: str, head: str
+    runner: ModelRunner, dests: dict[str, tuple[str, torch.Tensor]], embed: str, head: str
 ) -> set[str]:
-    """Fills ``dests`` (the drafter's embedding and head, by name: which of
-    them are the target's shape) with the target's whole ones, which are
-    split over the ranks (its names ``embed`` and ``head``); returns the
-    names so filled. The drafter runs on rank 0 alone."""
+    """Fills ``dests`` (the drafter's tensors by name: each the "embed" or
+    the "head" kind; those of the target's shape are filled) with the
+    target's whole embedding and head, which are split over the ranks (the
+    target's names ``embed`` and ``head``); returns the names so filled.
+    The drafter runs on rank 0 alone."""
     tcfg = runner.model_config
     source = {"embed": embed, "head": embed if tcfg.tie_word_embeddings else head}
     wanted = {
