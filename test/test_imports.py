@@ -21,17 +21,18 @@ BELOW_ENGINE = (
     "sampling",
     "cache",
     "grammar",
+    "distributed",
 )
 
 
-def imported(path: pathlib.Path) -> set[str]:
+def imported(path: pathlib.Path, prefix: str = "specserve.") -> set[str]:
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
-    return {n for n in names if n.startswith("specserve.")}
+    return {n for n in names if n.startswith(prefix)}
 
 
 def test_core_imports_no_stage() -> None:
@@ -47,3 +48,17 @@ def test_nothing_below_the_engine_imports_it() -> None:
                 if m.split(".")[1] in ("engine", "server"):
                     offenders.append(f"{path.relative_to(ROOT)} imports {m}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_only_distributed_touches_torch_distributed() -> None:
+    """One module owns process groups and collectives (docs/parallelism.md);
+    nor does it import the stages that use it (no cycle through it)."""
+    offenders = [
+        str(path.relative_to(ROOT))
+        for path in ROOT.rglob("*.py")
+        if path.parent.name != "distributed" and imported(path, "torch.distributed")
+    ]
+    assert not offenders, offenders
+    for path in (ROOT / "distributed").rglob("*.py"):
+        stages = {m.split(".")[1] for m in imported(path)} - {"core", "distributed"}
+        assert not stages, f"{path.name} imports {stages}"
