@@ -79,10 +79,13 @@ def test_a_raising_rank_stops_the_engine() -> None:
         eng.runner.group.broadcast_control(bad)
         wait_exited(worker, timeout=10)
         deadline = time.monotonic() + 10
-        while eng.error is None:
-            assert time.monotonic() < deadline, "the engine did not stop"
-            eng._pump()  # an offline engine steps on its callers' thread
-            time.sleep(0.05)
+        while eng.ranks.lost() is None:  # the watch has seen it
+            assert time.monotonic() < deadline, "the launcher's watch missed the exit"
+            time.sleep(0.02)
+        # The next caller finds the engine stopped on the lost rank.
+        out = eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "rank 1 exited (exit code 1)" in out["meta_info"]["finish_reason"]["message"]
         assert "rank 1 exited (exit code 1)" in eng.error
         with pytest.raises(EngineStopped):
             eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
