@@ -193,6 +193,18 @@ class Req:
 
 
 @dataclass
+class ScoreRows:
+    """Logits rows whose token is known before the forward (prompt positions
+    scored in raw mode), scored where the logits are: on the shards under
+    tensor parallelism, whose logits then never leave them."""
+
+    rows: list[int]  # logits rows of the forward
+    token_ids: list[int]  # the token each row scores
+    top_k: int  # top logprobs of every row (the most any of them asks)
+    ids: list[list[int]]  # requested ids per row, padded with -1 to one width
+
+
+@dataclass
 class BatchEntry:
     """What the runner needs of one request: plain data, no engine objects."""
 
@@ -237,6 +249,14 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(len(e.token_ids) for e in self.entries)
+
+    @property
+    def row_offsets(self) -> list[int]:
+        """The first logits row of each entry (``len(entries) + 1`` values)."""
+        offsets = [0]
+        for e in self.entries:
+            offsets.append(offsets[-1] + len(e.logit_rows))
+        return offsets
 
     def halves(self) -> tuple[ScheduledBatch, ScheduledBatch]:
         """The first and second half of the requests, each a batch of its own

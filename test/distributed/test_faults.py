@@ -144,7 +144,7 @@ def test_a_forward_failing_on_rank_0_stops_the_group(monkeypatch) -> None:
     def broken(hidden):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(model, "compute_logits", broken)
+    monkeypatch.setattr(model.lm_head, "forward", broken)  # between two collectives
     try:
         out = eng.generate(input_ids=[[1, 2, 3], [4, 5]], sampling_params={"max_new_tokens": 2})
         assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in out)

@@ -1,8 +1,9 @@
-"""The step plan's packing: every field of every entry survives the trip."""
+"""The step plan's packing: every field of every entry, and the rows scored
+on the shards, survive the trip."""
 
 from __future__ import annotations
 
-from specserve.core import BatchEntry, ScheduledBatch
+from specserve.core import BatchEntry, ScheduledBatch, ScoreRows
 from specserve.distributed.plan import pack, unpack
 
 
@@ -16,7 +17,12 @@ def test_pack_unpack_round_trip() -> None:
         [],
         (-1, 0, 3),
     )
-    back = unpack(pack(batch))
-    assert back.entries == batch.entries
+    back, score = unpack(pack(batch))
+    assert back.entries == batch.entries and score is None
     assert back.capture_layer_ids == batch.capture_layer_ids
-    assert unpack(pack(ScheduledBatch([], []))).entries == []
+    rows = ScoreRows([2, 3, 4], [17, 0, 9], 5, [[1, -1], [4, 5], [-1, -1]])
+    back, score = unpack(pack(batch, rows))
+    assert back.entries == batch.entries and score == rows
+    assert unpack(pack(ScheduledBatch([], []), ScoreRows([], [], 0, [])))[1] == ScoreRows(
+        [], [], 0, []
+    )

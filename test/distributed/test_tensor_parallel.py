@@ -116,8 +116,16 @@ def _assert_close_logprobs(a: dict, b: dict) -> None:
                 assert y[0] is None
             else:
                 assert x[0] == pytest.approx(y[0], abs=1e-5)
-    for key in ("output_top_logprobs", "output_token_ids_logprobs"):
+    for key in (
+        "input_top_logprobs",
+        "input_token_ids_logprobs",
+        "output_top_logprobs",
+        "output_token_ids_logprobs",
+    ):
         for ra, rb in zip(_entries(a, key), _entries(b, key)):
+            if ra is None:  # the first prompt position: nothing scores it
+                assert rb is None
+                continue
             assert [e[1] for e in ra] == [e[1] for e in rb]  # the same ids, in order
             assert [e[0] for e in ra] == pytest.approx([e[0] for e in rb], abs=1e-5)
 
@@ -272,3 +280,34 @@ def test_tp4_equals_tp1(models) -> None:
     for a, b in zip(want, got):
         assert a["output_ids"] == b["output_ids"]
         _assert_close_logprobs(a, b)
+
+
+def test_prompt_rows_never_leave_the_shards(models) -> None:
+    """A prompt scored from position 0: only its sampling row's logits are
+    gathered, the 29 prompt rows are scored on the shards (raw mode); in
+    processed mode (the request's logit bias applies to them) they travel."""
+    prompt = random_prompts(1, [30], seed=8)[0]
+    args = dict(
+        input_ids=prompt,
+        sampling_params={"temperature": 0, "max_new_tokens": 2, "logit_bias": {"9": 1.5}},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=2,
+    )
+    for mode, prefill_rows in (("raw", 1), ("processed", 30)):
+        kw = dict(device="cpu", max_total_tokens=1024, logprobs_mode=mode)
+        with Engine(model_path=models["qwen3"], **kw) as one:
+            want = one.generate(**args)
+        with Engine(model_path=models["qwen3"], tp_size=2, **kw) as two:
+            gathered: list[int] = []
+            group = two.runner.group
+
+            def counted(x, real=group.gather_to_first, seen=gathered):
+                seen.append(x.shape[0])
+                return real(x)
+
+            group.gather_to_first = counted
+            got = two.generate(**args)
+        assert gathered == [prefill_rows, 1], mode  # the prefill, then one decode row
+        assert got["output_ids"] == want["output_ids"]
+        _assert_close_logprobs(want, got)

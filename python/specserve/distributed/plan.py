@@ -4,8 +4,9 @@ rank runs the same forward on its shard.
 
 A plan is a header ``[step id, kind, payload length]`` and the payload:
 the capture layer ids, then per entry ``[tokens, prefix, pages, logit
-rows, further tables, each table's length]`` and the entry's lists. It
-goes out as one message of ``INLINE`` values (a collective costs a few
+rows, further tables, each table's length]`` and the entry's lists, then
+the rows the forward scores on the shards (``ScoreRows``: ``[count, top-k,
+width]``, rows, tokens, requested ids; a count of -1 for none). It goes out as one message of ``INLINE`` values (a collective costs a few
 hundred microseconds over gloo on a loopback); a longer payload's rest
 follows in a second. Every plan carries the next step id; a rank that sees
 another one raises.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.core import BatchEntry, ScheduledBatch
+from specserve.core import BatchEntry, ScheduledBatch, ScoreRows
 from specserve.distributed.group import DistributedError, RankGroup
 
 FORWARD, STOP = 1, 2
@@ -23,7 +24,7 @@ HEADER = 3
 INLINE = 1024  # values of the first message (8 KiB): a decode step of ~100 requests
 
 
-def pack(batch: ScheduledBatch) -> list[int]:
+def pack(batch: ScheduledBatch, score: ScoreRows | None = None) -> list[int]:
     out = [len(batch.capture_layer_ids), *batch.capture_layer_ids, len(batch.entries)]
     for e in batch.entries:
         out += [len(e.token_ids), e.prefix_len, len(e.page_table), len(e.logit_rows)]
@@ -31,10 +32,16 @@ def pack(batch: ScheduledBatch) -> list[int]:
         out += e.token_ids + e.page_table + e.logit_rows
         for t in e.entry_tables:
             out += t
+    if score is None:
+        return out + [-1]
+    width = len(score.ids[0]) if score.ids else 0
+    out += [len(score.rows), score.top_k, width, *score.rows, *score.token_ids]
+    for ids in score.ids:
+        out += ids
     return out
 
 
-def unpack(values: list[int]) -> ScheduledBatch:
+def unpack(values: list[int]) -> tuple[ScheduledBatch, ScoreRows | None]:
     at = 0
 
     def take(n: int) -> list[int]:
@@ -49,8 +56,15 @@ def unpack(values: list[int]) -> ScheduledBatch:
         lengths = take(n_tables)
         tokens, pages, rows = take(n_tok), take(n_pages), take(n_rows)
         entries.append(BatchEntry(tokens, prefix, pages, rows, [take(n) for n in lengths]))
+    batch = ScheduledBatch(entries, [], capture)
+    n = take(1)[0]
+    score = None
+    if n >= 0:
+        top_k, width = take(2)
+        rows, tokens = take(n), take(n)
+        score = ScoreRows(rows, tokens, top_k, [take(width) for _ in range(n)])
     assert at == len(values), "a plan with trailing values"
-    return ScheduledBatch(entries, [], capture)
+    return batch, score
 
 
 class PlanChannel:
@@ -60,12 +74,12 @@ class PlanChannel:
         self.group = group
         self.step_id = 0  # of the last plan sent or received
 
-    def send(self, batch: ScheduledBatch | None) -> None:
-        """Rank 0: the next forward (None: stop)."""
+    def send(self, batch: ScheduledBatch | None, score: ScoreRows | None = None) -> None:
+        """Rank 0: the next forward and the rows it scores (None: stop)."""
         if self.group.size == 1:
             return
         self.step_id += 1
-        payload = pack(batch) if batch is not None else []
+        payload = pack(batch, score) if batch is not None else []
         kind = FORWARD if batch is not None else STOP
         values = torch.tensor([self.step_id, kind, len(payload), *payload], dtype=torch.int64)
         first = torch.zeros(INLINE, dtype=torch.int64)
@@ -74,8 +88,9 @@ class PlanChannel:
         if len(values) > INLINE:
             self.group.broadcast_control(values[INLINE:].contiguous())
 
-    def recv(self) -> ScheduledBatch | None:
-        """A worker: the next forward, or None when rank 0 stops."""
+    def recv(self) -> tuple[ScheduledBatch, ScoreRows | None] | None:
+        """A worker: the next forward and its scored rows, or None when rank
+        0 stops."""
         first = self.group.broadcast_control(torch.empty(INLINE, dtype=torch.int64))
         step_id, kind, length = first[:HEADER].tolist()
         if step_id != self.step_id + 1:

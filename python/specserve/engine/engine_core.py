@@ -270,7 +270,12 @@ class EngineCore:
         that may commit: batched, and without committing anything. The device
         is read back once here (and once by a drafting proposer, at the end
         of the step)."""
-        fwd = self.runner.forward(batch)
+        # Under tensor parallelism the prompt rows are scored on the shards:
+        # their logits never travel.
+        prompt = None
+        if self.runner.scores_on_shards:
+            prompt = self.output_processor.prompt_rows(batch.steps, batch.row_offsets)
+        fwd = self.runner.forward(batch) if prompt is None else self.runner.forward(batch, prompt)
         # Every row a token is drawn or verified from, as the sampler sees it.
         rows = step_rows(batch.steps, fwd.row_offsets, self.runner.vocab_size)
         processed = processed_logits(_take(fwd.logits, rows.logit_rows), rows.metadata)
@@ -280,7 +285,9 @@ class EngineCore:
             verified = self.spec.verify(batch, rows, processed, self.sampler.generator)
             pending += [verified] if verified is not None else []
         scoring = self._scoring_logits(batch, fwd, rows.logit_rows, processed)
-        scores = self.output_processor.score(batch.steps, fwd.row_offsets, pending, scoring)
+        scores = self.output_processor.score(
+            batch.steps, fwd.row_offsets, pending, scoring, fwd.scores
+        )
         # The step's one read back: every run's tokens (and accept lengths),
         # the rows' peaks, the scores.
         run_tensors = [t for g in pending for t in g.tensors()]

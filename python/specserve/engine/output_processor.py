@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.core import FinishReason, Req, ReqStep
+from specserve.core import FinishReason, Req, ReqStep, ScoreRows
 from specserve.grammar.bitmask import advance_committed
 from specserve.host import upload
 from specserve.kernels.logprobs import RowLogprobs
@@ -94,6 +94,35 @@ class PendingScores:
         return out
 
 
+def interleave(
+    prompt: RowLogprobs, runs: RowLogprobs | None, is_run: Sequence[bool]
+) -> RowLogprobs:
+    """The scores of every query in order: ``prompt``'s rows where
+    ``is_run`` is False, ``runs``'s where it is True (top-k and requested-id
+    columns padded to the wider; the host reads each query's own width)."""
+    parts = [prompt] if runs is None else [prompt, runs]
+    k = max(p.top_ids.shape[1] for p in parts)
+    m = max(p.ids_logprobs.shape[1] for p in parts)
+    n, dev = len(is_run), prompt.token_logprobs.device
+
+    def widen(t: torch.Tensor, width: int, fill: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)
+
+    def place(values: list[torch.Tensor], fill: float) -> torch.Tensor:
+        out = values[0].new_full((n, *values[0].shape[1:]), fill)
+        out[upload([i for i, r in enumerate(is_run) if not r], dev)] = values[0]
+        if len(values) > 1:
+            out[upload([i for i, r in enumerate(is_run) if r], dev)] = values[1]
+        return out
+
+    return RowLogprobs(
+        place([p.token_logprobs for p in parts], 0.0),
+        place([widen(p.top_values, k, 0.0) for p in parts], 0.0),
+        place([widen(p.top_ids, k, 0) for p in parts], 0),
+        place([widen(p.ids_logprobs, m, float("nan")) for p in parts], float("nan")),
+    )
+
+
 @dataclass
 class StepScores:
     """One step's scored rows for one request: its prompt positions, its run."""
@@ -134,25 +163,28 @@ class OutputProcessor:
         row_offsets: Sequence[int],
         pending: Sequence[PendingRuns],
         scoring_logits: torch.Tensor,  # [R, V] float32
+        prompt_scores: RowLogprobs | None = None,
     ) -> PendingScores:
         """Scores every row a step may commit, in one kernel call on the
         device; nothing is committed or read back yet (a failed step can be
         rerun). A run's candidates are all scored: those that do not commit
-        (rejected drafts, tokens past a stop) are dropped at commit."""
+        (rejected drafts, tokens past a stop) are dropped at commit.
+        ``prompt_scores``: the prompt rows (``prompt_rows``) already scored
+        where the logits are; the kernel scores the runs' rows alone."""
         run_of: dict[int, tuple[int, list[int]]] = {}  # step -> (first candidate, rows)
         at = 0
         for group in pending:
             for step, rows in zip(group.steps, group.rows):
                 run_of[step] = (at, rows)
                 at += len(rows)
+        prompt = iter(self._prompt_queries(steps, row_offsets))
         queries: list[RowQuery] = []
         counts: list[tuple[int, int]] = []
         source: list[int] = []
+        is_run: list[bool] = []  # per query
         for i, step in enumerate(steps):
             req = step.req
-            for j in range(step.num_input_logprob_rows):
-                token = req.token_at(step.input_logprob_start + j)
-                queries.append(self._query(req, row_offsets[i] + j, token))
+            queries += [next(prompt) for _ in range(step.num_input_logprob_rows)]
             num_run = 0
             if i in run_of and req.logprob.return_logprob:
                 first, rows = run_of[i]
@@ -160,12 +192,21 @@ class OutputProcessor:
                 source.extend(range(first, first + len(rows)))
                 num_run = len(rows)
             counts.append((step.num_input_logprob_rows, num_run))
+            is_run += [False] * step.num_input_logprob_rows + [True] * num_run
         device_tokens = None
         if source:
             candidates = torch.cat([g.tokens for g in pending])
             index = upload(source, candidates.device)
             device_tokens = candidates[index]
-        out = score_rows_device(scoring_logits, queries, device_tokens, self.kernel_backend)
+        if prompt_scores is None:
+            out = score_rows_device(scoring_logits, queries, device_tokens, self.kernel_backend)
+        else:
+            runs = [q for q, r in zip(queries, is_run) if r]
+            out = interleave(
+                prompt_scores,
+                score_rows_device(scoring_logits, runs, device_tokens, self.kernel_backend),
+                is_run,
+            )
         return PendingScores(queries, counts, source, out)
 
     def commit(self, step: ReqStep, run: RunCommit | None, scores: StepScores) -> None:
@@ -186,6 +227,35 @@ class OutputProcessor:
         scan = self._scan_with_grammar(req, tokens) if req.grammar else self._scan(req, tokens)
         logprobs = scores.run[: scan.num_tokens] if req.logprob.return_logprob else None
         req.append_run(tokens[: scan.num_tokens], scan.text, scan.detok, logprobs, scan.finish)
+
+    def prompt_rows(self, steps: Sequence[ReqStep], row_offsets: Sequence[int]) -> ScoreRows | None:
+        """Every step's prompt rows as ``ScoreRows`` (their tokens are known
+        before the forward), for scoring where the logits are; None in
+        processed mode (prompt rows get the request's logit bias first) or
+        when there are none."""
+        if self.processed:
+            return None
+        queries = self._prompt_queries(steps, row_offsets)
+        if not queries:
+            return None
+        width = max(len(q.ids or ()) for q in queries)
+        return ScoreRows(
+            [q.row for q in queries],
+            [q.token_id for q in queries],
+            max(q.top_k for q in queries),
+            [list(q.ids or ()) + [-1] * (width - len(q.ids or ())) for q in queries],
+        )
+
+    def _prompt_queries(
+        self, steps: Sequence[ReqStep], row_offsets: Sequence[int]
+    ) -> list[RowQuery]:
+        return [
+            self._query(
+                step.req, row_offsets[i] + j, step.req.token_at(step.input_logprob_start + j)
+            )
+            for i, step in enumerate(steps)
+            for j in range(step.num_input_logprob_rows)
+        ]
 
     def _query(self, req: Req, row: int, token: int | None) -> RowQuery:
         opts = req.logprob

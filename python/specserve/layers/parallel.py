@@ -180,9 +180,23 @@ class VocabParallelHead(LogitsHead):
         self.weight.data[self.vocab_real :].zero_()  # the padding rows
         super().post_load()
 
-    def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """The full ``[R, V]`` logits on rank 0 (None on the others)."""
+    def gather(
+        self, logits: torch.Tensor, keep: torch.Tensor | None = None, kept: int = 0
+    ) -> torch.Tensor | None:
+        """The full ``[R, V]`` logits on rank 0 (None on the others). With
+        ``keep`` (a mask of the ``kept`` rows to send; the same on every
+        rank) only those rows travel; the others are left unset."""
         if self.group.size == 1:
             return logits
-        parts = self.group.gather_to_first(logits)
-        return None if parts is None else torch.cat(parts, dim=-1)[..., : self.full_vocab]
+        if keep is None:
+            parts = self.group.gather_to_first(logits)
+            return None if parts is None else torch.cat(parts, dim=-1)[..., : self.full_vocab]
+        full = None
+        if self.group.is_first:
+            full = logits.new_empty(logits.shape[0], self.full_vocab)
+        if kept:
+            parts = self.group.gather_to_first(logits[keep])
+            if full is not None:
+                assert parts is not None
+                full[keep] = torch.cat(parts, dim=-1)[:, : self.full_vocab]
+        return full

@@ -204,6 +204,10 @@ class DecoderForCausalLM(nn.Module):
         self.model.embed_tokens.post_load()
         self.lm_head.post_load()
 
+    @property
+    def logits_head(self) -> VocabParallelHead:
+        return self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``[R, d]`` -> float32 logits ``[R, V]`` (accumulated in float32);
         under tensor parallelism gathered on rank 0 (None on the others)."""

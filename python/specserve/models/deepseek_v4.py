@@ -385,6 +385,10 @@ class DeepseekV4ForCausalLM(nn.Module):
     def compile_dense(self) -> None:
         raise ValueError("enable_torch_compile: not supported for DeepseekV4ForCausalLM yet")
 
+    @property
+    def logits_head(self) -> VocabParallelHead:
+        return self.head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits ``[R, V]``; under tensor parallelism gathered on
         rank 0 (None on the others)."""

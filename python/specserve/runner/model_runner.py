@@ -12,9 +12,10 @@ import torch
 from specserve.cache.block_pool import CacheGroup, cache_groups
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig, ModelConfig
-from specserve.core import BatchEntry, ScheduledBatch
+from specserve.core import BatchEntry, ScheduledBatch, ScoreRows
 from specserve.distributed import SINGLE, DistributedError, RankGroup
 from specserve.distributed.plan import PlanChannel
+from specserve.kernels.logprobs import RowLogprobs
 from specserve.layers.attention import (
     AttentionBackend,
     TritonAttentionBackend,
@@ -32,6 +33,7 @@ from specserve.layers.parallel import HeadSplit
 from specserve.models.loader import load_model
 from specserve.runner.cuda_graph_runner import Capture, CudaGraphRunner, cuda_graph_capture
 from specserve.runner.input_builder import build_inputs
+from specserve.sampling.vocab_parallel import score_on_shards
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,9 @@ class ForwardOutput:
     row_offsets: list[int]  # first logits row of each entry; len(entries) + 1 values
     # Outputs of batch.capture_layer_ids, concatenated per token: [T, m * d].
     captured: torch.Tensor | None = None
+    # The forward's ``ScoreRows``, scored on the shards (their rows of
+    # ``logits`` are left unset: they never left the shards).
+    scores: RowLogprobs | None = None
 
 
 class ModelRunner:
@@ -268,17 +273,25 @@ class ModelRunner:
         self.kv_pool = CompressedPool(mc, self.group_pages, ps, self.dtype, self.device)
         self.attn_backend = CompressedAttentionBackend(mc, self.kv_pool, groups)
 
+    @property
+    def scores_on_shards(self) -> bool:
+        """Whether ``forward`` takes ``ScoreRows`` (tensor parallelism: the
+        rows' logits then stay on the shards)."""
+        return self.group.size > 1
+
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> ForwardOutput:
+    def forward(self, batch: ScheduledBatch, score: ScoreRows | None = None) -> ForwardOutput:
         """The batch's forward (on every rank of the group: its plan goes
-        out first). Under tensor parallelism a forward that fails here fails
-        the group (``DistributedError``): the other ranks may be waiting in
-        one of its collectives, and the next forward's would meet theirs."""
-        self.plans.send(batch)
+        out first), and ``score``'s rows scored (``scores_on_shards`` only).
+        Under tensor parallelism a forward that fails here fails the group
+        (``DistributedError``): the other ranks may be waiting in one of its
+        collectives, and the next forward's would meet theirs."""
+        self.plans.send(batch, score)
         if self.group.size == 1:
+            assert score is None, "rows are scored on shards only"
             return self._forward(batch)
         try:
-            return self._forward(batch)
+            return self._forward(batch, score)
         except DistributedError:
             raise
         except Exception as e:
@@ -286,14 +299,12 @@ class ModelRunner:
 
     def serve_plans(self) -> None:
         """A worker rank: runs rank 0's forwards until it stops."""
-        while (batch := self.plans.recv()) is not None:
-            self._forward(batch)
+        while (plan := self.plans.recv()) is not None:
+            self._forward(*plan)
 
     @torch.inference_mode()
-    def _forward(self, batch: ScheduledBatch) -> ForwardOutput:
-        offsets = [0]
-        for e in batch.entries:
-            offsets.append(offsets[-1] + len(e.logit_rows))
+    def _forward(self, batch: ScheduledBatch, score: ScoreRows | None = None) -> ForwardOutput:
+        offsets = batch.row_offsets
         shape = self.graphs.shape_for(batch) if self.graphs is not None else None
         if shape is not None:
             assert self.graphs is not None
@@ -304,9 +315,12 @@ class ModelRunner:
         hidden, captured = self.model(
             inputs.input_ids, inputs.meta, self.attn_backend, batch.capture_layer_ids
         )
-        logits = self.model.compute_logits(hidden[inputs.logit_index])
         cap = torch.cat(captured, dim=-1) if captured else None
-        return ForwardOutput(logits=logits, row_offsets=offsets, captured=cap)
+        if self.group.size == 1:
+            logits = self.model.compute_logits(hidden[inputs.logit_index])
+            return ForwardOutput(logits=logits, row_offsets=offsets, captured=cap)
+        logits, scores = score_on_shards(self.model.logits_head, hidden[inputs.logit_index], score)
+        return ForwardOutput(logits=logits, row_offsets=offsets, captured=cap, scores=scores)
 
     @torch.inference_mode()
     def verify_forward(

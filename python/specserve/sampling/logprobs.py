@@ -73,6 +73,11 @@ def score_rows_device(
         padded = [list(q.ids or ()) + [-1] * (width - len(q.ids or ())) for q in queries]
         gather = upload(padded, device)
     out = row_logprobs(logits, token_ids, temps, top_k, gather, backend=backend, row_ids=rows)
+    return clamped(out)
+
+
+def clamped(out: RowLogprobs) -> RowLogprobs:
+    """``out`` as it is reported: values clamped at ``MIN_LOGPROB``."""
     return RowLogprobs(
         out.token_logprobs.clamp(min=MIN_LOGPROB),
         out.top_values.clamp(min=MIN_LOGPROB),

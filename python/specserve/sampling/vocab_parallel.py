@@ -25,8 +25,8 @@ A key packs (value, global id) so that one integer comparison orders by value
 descending, then id ascending: the high 32 bits are the float's bits remapped
 so that signed-int order is float order (-0.0 folded into +0.0), the low 32
 bits are ``ID_MAX - id``. A top-k or max of keys has no ties, so ties go to
-the lowest global id on any number of ranks, as in the single-device Triton
-kernel (``torch.topk``, used by ``row_logprobs_ref``, orders ties arbitrarily).
+the lowest global id on any number of ranks, as on one device (the Triton
+kernel, and ``row_logprobs_ref``'s ``topk_lowest_id``).
 The keys cost an int64 copy of the shard's ``[R, Vr]`` logits (top-k only).
 
 The contract is ``kernels.logprobs``'s: NaN logits count as -inf; a row with
@@ -39,11 +39,19 @@ same on every rank.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from specserve.core import ScoreRows
 from specserve.distributed import RankGroup
+from specserve.host import upload
 from specserve.kernels.chain_verify import greedy_argmax
 from specserve.kernels.logprobs import RowLogprobs
+from specserve.sampling.logprobs import clamped
+
+if TYPE_CHECKING:
+    from specserve.layers.parallel import VocabParallelHead
 
 ID_MAX = 2**31 - 1
 EMPTY = -(2**63)  # below every real key, even -inf's: "no candidate"
@@ -165,6 +173,29 @@ def vocab_parallel_argmax(
         v = v.masked_fill(v.isnan(), NEG_INF)  # an all-NaN shard picks its column 0
         key = _keys(v, idx + vocab_start)
     return _unkey(group.all_reduce_max(key))[1]
+
+
+def score_on_shards(
+    head: VocabParallelHead, hidden: torch.Tensor, score: ScoreRows | None
+) -> tuple[torch.Tensor | None, RowLogprobs | None]:
+    """``head``'s logits of ``hidden [R, d]`` on rank 0 (``[R, V]``; None on
+    the others), but ``score``'s rows scored here instead, from the shards
+    (the same values on every rank, clamped as every reported logprob is):
+    their logits never leave the shards, and their rows of the returned
+    logits are left unset."""
+    local = head(hidden)  # [R, V / N]
+    if score is None or not score.rows:
+        return head.gather(local), None
+    dev, n = local.device, len(score.rows)
+    rows = upload(score.rows, dev)
+    ids = torch.tensor(score.ids, dtype=torch.int64).view(n, -1).to(dev)
+    out = vocab_parallel_logprobs(
+        local[rows], head.vocab_start, head.vocab_real, upload(score.token_ids, dev),
+        None, score.top_k, ids, head.group,
+    )  # fmt: skip
+    keep = torch.ones(local.shape[0], dtype=torch.bool, device=dev)
+    keep[rows] = False
+    return head.gather(local, keep, local.shape[0] - n), clamped(out)
 
 
 def logprob_bytes(rows: int, top_k: int, num_ids: int, size: int) -> int:
