@@ -123,24 +123,42 @@ def vocab_shard(vocab_size: int, group: RankGroup) -> tuple[int, int, int]:
     return start, per, max(0, min(per, vocab_size - start))
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabRows:
+    """What the embedding and the head share: a weight whose rows are this
+    rank's slice of the (padded) vocabulary, ids ``vocab_start ..``, of
+    which the first ``vocab_real`` are the checkpoint's."""
+
+    weight: nn.Parameter
+    group: RankGroup
+
+    def split_vocab(self, vocab_size: int, group: RankGroup) -> int:
+        """Records this rank's slice of ``vocab_size`` ids; its row count."""
+        self.vocab_start, rows, self.vocab_real = vocab_shard(vocab_size, group)
+        self.full_vocab = vocab_size
+        return rows
+
+    def checkpoint_part(self, attr: str) -> tuple[torch.Tensor, Shard | None]:
+        """The rows the checkpoint fills, and the slice of it they are."""
+        if self.group.size == 1:
+            return self.weight.data, None
+        shard = Shard(0, self.vocab_start, self.vocab_real, self.full_vocab)
+        return self.weight.data.narrow(0, 0, self.vocab_real), shard
+
+    def zero_padding(self) -> None:
+        self.weight.data[self.vocab_real :].zero_()
+
+
+class VocabParallelEmbedding(VocabRows, nn.Embedding):
     """An embedding whose rows (token ids) are split over the ranks: each
     looks up the ids it holds (zero for the others), the all-reduce adds the
     rows up."""
 
     def __init__(self, vocab_size: int, dim: int, group: RankGroup) -> None:
-        self.vocab_start, rows, self.vocab_real = vocab_shard(vocab_size, group)
-        super().__init__(rows, dim)
+        nn.Embedding.__init__(self, self.split_vocab(vocab_size, group), dim)
         self.group = group
-        self.full_vocab = vocab_size
-
-    def checkpoint_part(self, attr: str) -> tuple[torch.Tensor, Shard | None]:
-        return vocab_part(
-            self.weight, self.vocab_start, self.vocab_real, self.full_vocab, self.group
-        )
 
     def post_load(self) -> None:
-        self.weight.data[self.vocab_real :].zero_()  # the padding rows
+        self.zero_padding()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
@@ -152,33 +170,17 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.group.all_reduce(out)
 
 
-def vocab_part(
-    weight: torch.Tensor, start: int, real: int, full: int, group: RankGroup
-) -> tuple[torch.Tensor, Shard | None]:
-    """The rows of a vocabulary-split weight the checkpoint fills."""
-    if group.size == 1:
-        return weight.data, None
-    return weight.data.narrow(0, 0, real), Shard(0, start, real, full)
-
-
-class VocabParallelHead(LogitsHead):
+class VocabParallelHead(VocabRows, LogitsHead):
     """``lm_head`` over this rank's slice of the vocabulary: logits
     ``[..., V / N]`` (float32, as ``LogitsHead``), padding columns included."""
 
     def __init__(self, dim: int, vocab_size: int, group: RankGroup) -> None:
-        self.vocab_start, rows, self.vocab_real = vocab_shard(vocab_size, group)
-        super().__init__(dim, rows)
+        LogitsHead.__init__(self, dim, self.split_vocab(vocab_size, group))
         self.group = group
-        self.full_vocab = vocab_size
-
-    def checkpoint_part(self, attr: str) -> tuple[torch.Tensor, Shard | None]:
-        return vocab_part(
-            self.weight, self.vocab_start, self.vocab_real, self.full_vocab, self.group
-        )
 
     def post_load(self) -> None:
-        self.weight.data[self.vocab_real :].zero_()  # the padding rows
-        super().post_load()
+        self.zero_padding()
+        LogitsHead.post_load(self)
 
     def gather(
         self, logits: torch.Tensor, keep: torch.Tensor | None = None, kept: int = 0

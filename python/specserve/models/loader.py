@@ -80,8 +80,8 @@ def read_whole(model: nn.Module, files: list[str], names: set[str]) -> dict[str,
     for path in files:
         with safe_open(path, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if rename(key) in names:
-                    out[rename(key)] = f.get_tensor(key)
+                if (ours := rename(key)) in names:
+                    out[ours] = f.get_tensor(key)
     missing = sorted(names - set(out))
     if missing:
         raise ValueError(f"{os.path.dirname(files[0])}: missing tensor(s) {missing}")

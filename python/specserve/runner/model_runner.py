@@ -315,7 +315,8 @@ class ModelRunner:
         hidden, captured = self.model(
             inputs.input_ids, inputs.meta, self.attn_backend, batch.capture_layer_ids
         )
-        cap = torch.cat(captured, dim=-1) if captured else None
+        # Only rank 0's proposer reads the captured layers.
+        cap = torch.cat(captured, dim=-1) if captured and self.group.is_first else None
         if self.group.size == 1:
             logits = self.model.compute_logits(hidden[inputs.logit_index])
             return ForwardOutput(logits=logits, row_offsets=offsets, captured=cap)

@@ -37,7 +37,7 @@ def run_worker(rank: int, size: int, addr: str, config: EngineConfig, log_level:
                 "cuda", (device.index or 0) + rank % config.parallel.ranks_per_node
             )
             torch.cuda.set_device(device)
-            config = _on_device(config, str(device))
+            config = dataclasses.replace(config, device=str(device))
         group = connect(rank, size, addr, device, config.parallel.dist_timeout)
         runner = ModelRunner(config, group=group, allocate_kv=False)
         runner.allocate_kv()
@@ -50,10 +50,6 @@ def run_worker(rank: int, size: int, addr: str, config: EngineConfig, log_level:
     # Gloo's threads may still hold the groups: leave without tearing them down.
     sys.stdout.flush()
     os._exit(0)
-
-
-def _on_device(config: EngineConfig, device: str) -> EngineConfig:
-    return dataclasses.replace(config, device=device)
 
 
 def start_workers(config: EngineConfig) -> tuple[RankGroup, WorkerRanks]:
