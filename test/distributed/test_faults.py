@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -18,6 +20,9 @@ from models_zoo import model_path
 from process_helpers import HAS_PROC, exited, wait_exited
 from server_harness import running_server
 from specserve import Engine
+from specserve.distributed import DistributedError
+from specserve.distributed.group import connect
+from specserve.distributed.launcher import free_addr
 from specserve.distributed.plan import FORWARD, INLINE
 from specserve.engine.engine import EngineStopped
 
@@ -64,6 +69,29 @@ def test_server_stops_on_a_lost_rank(tmp_path, fault) -> None:
         assert code != 0, server.log()
         assert took < 20, took  # seconds: the dist timeout (3 s) and the shutdown
         wait_exited(worker, timeout=10)
+
+
+def test_a_plan_for_a_rank_stopped_between_forwards_times_out() -> None:
+    """Rank 0's plan broadcast returns only once every rank takes part: to a
+    rank that hangs between two forwards (alive, in no collective) it fails
+    after ``dist_timeout`` instead of waiting for ever."""
+    addr = free_addr()
+    script = (
+        "import sys, time, torch\n"
+        "from specserve.distributed.group import connect\n"
+        "group = connect(1, 2, sys.argv[1], torch.device('cpu'), timeout=2.0)\n"
+        "time.sleep(120)\n"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", script, addr])
+    try:
+        group = connect(0, 2, addr, torch.device("cpu"), timeout=2.0)
+        start = time.monotonic()
+        with pytest.raises(DistributedError, match="broadcasting a plan"):
+            group.broadcast_control(torch.zeros(INLINE, dtype=torch.int64))
+        assert time.monotonic() - start < 15
+    finally:
+        worker.kill()
+        worker.wait()
 
 
 def test_a_raising_rank_stops_the_engine() -> None:

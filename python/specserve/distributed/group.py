@@ -36,14 +36,15 @@ class RankGroup:
     # watch says so), for the errors raised here.
     failure: Callable[[], str | None] = field(default=lambda: None)
     store: object = None  # the rendezvous store, kept alive with the groups
+    timeout: datetime.timedelta | None = None  # dist_timeout: how long a live rank may lag
 
     @property
     def is_first(self) -> bool:
         return self.rank == 0
 
-    def _wait(self, work: dist.Work, what: str) -> None:
+    def _wait(self, work: dist.Work, what: str, timeout: datetime.timedelta | None = None) -> None:
         try:
-            work.wait()
+            work.wait() if timeout is None else work.wait(timeout)
         except RuntimeError as e:
             known = self.failure()
             cause = f"{known}; " if known else ""
@@ -105,13 +106,17 @@ class RankGroup:
     # ---- control messages (the host group) ---------------------------------
 
     def broadcast_control(self, t: torch.Tensor, what: str = "a plan") -> torch.Tensor:
-        """Rank 0's host tensor ``t`` into every rank's ``t`` (same shape)."""
+        """Rank 0's host tensor ``t`` into every rank's ``t`` (same shape).
+        A worker waits as long as the server idles; rank 0 at most
+        ``timeout``: its broadcast returns only once every rank takes part,
+        and a rank stopped between two forwards would hold it forever."""
         if self.size == 1:
             return t
         assert self.control_pg is not None
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self._wait(self.control_pg.broadcast([t], opts), f"broadcasting {what}")
+        work = self.control_pg.broadcast([t], opts)
+        self._wait(work, f"broadcasting {what}", self.timeout if self.is_first else None)
         return t
 
 
@@ -140,4 +145,4 @@ def connect(
     else:
         device_pg = dist.ProcessGroupGloo(dist.PrefixStore("device", store), rank, size, op_timeout)
     control_pg = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size, IDLE_TIMEOUT)
-    return RankGroup(rank, size, device_pg, control_pg, failure, store)
+    return RankGroup(rank, size, device_pg, control_pg, failure, store, op_timeout)
