@@ -192,16 +192,25 @@ class Req:
 # ---- the batch -------------------------------------------------------------
 
 
+# A ``ScoreRows`` token id: the row's greedy token, found on the shards.
+ARGMAX = -1
+
+
 @dataclass
 class ScoreRows:
-    """Logits rows whose token is known before the forward (prompt positions
-    scored in raw mode), scored where the logits are: on the shards under
-    tensor parallelism, whose logits then never leave them."""
+    """Logits rows decided or scored where the logits are: on the shards under
+    tensor parallelism, whose logits then never leave them. ``argmax``: rows
+    whose token is the argmax of the model's logits (greedy rows that no
+    penalty, bias or grammar changes), found on the shards with each row's
+    peak. ``rows``: rows scored (logprobs) against a token known before the
+    forward (prompt positions in raw mode) or ``ARGMAX`` (the row's own
+    greedy token; the row is then one of ``argmax``)."""
 
     rows: list[int]  # logits rows of the forward
-    token_ids: list[int]  # the token each row scores
+    token_ids: list[int]  # the token each row scores, or ARGMAX
     top_k: int  # top logprobs of every row (the most any of them asks)
     ids: list[list[int]]  # requested ids per row, padded with -1 to one width
+    argmax: list[int] = field(default_factory=list)  # logits rows
 
 
 @dataclass

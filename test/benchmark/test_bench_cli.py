@@ -109,3 +109,11 @@ def test_llama_cpp_comparison_says_what_it_lacks_and_exits_0() -> None:
         return
     done = run("bench_llama_cpp.py", "--converter", "/no/such/convert_hf_to_gguf.py")
     assert done.returncode == 0 and "--converter must name" in done.stderr
+
+
+def test_the_collectives_bench_runs() -> None:
+    """Two gloo ranks, one tiny size: a row per (vocab, rows) in its table."""
+    done = run("bench_collectives.py", "--vocab", "64", "--rows", "1", "3", "--calls", "1",
+               "--repeats", "1")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "| 64 | 1 |" in done.stdout and "| 64 | 3 |" in done.stdout

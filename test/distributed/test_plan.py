@@ -1,9 +1,9 @@
-"""The step plan's packing: every field of every entry, and the rows scored
-on the shards, survive the trip."""
+"""The step plan's packing: every field of every entry, and the rows decided
+and scored on the shards, survive the trip."""
 
 from __future__ import annotations
 
-from specserve.core import BatchEntry, ScheduledBatch, ScoreRows
+from specserve.core import ARGMAX, BatchEntry, ScheduledBatch, ScoreRows
 from specserve.distributed.plan import pack, unpack
 
 
@@ -20,9 +20,11 @@ def test_pack_unpack_round_trip() -> None:
     back, score = unpack(pack(batch))
     assert back.entries == batch.entries and score is None
     assert back.capture_layer_ids == batch.capture_layer_ids
-    rows = ScoreRows([2, 3, 4], [17, 0, 9], 5, [[1, -1], [4, 5], [-1, -1]])
+    rows = ScoreRows([2, 3, 4], [17, ARGMAX, 9], 5, [[1, -1], [4, 5], [-1, -1]], [3, 0])
     back, score = unpack(pack(batch, rows))
     assert back.entries == batch.entries and score == rows
+    argmax_only = ScoreRows([], [], 0, [], [1, 2])
+    assert unpack(pack(batch, argmax_only))[1] == argmax_only
     assert unpack(pack(ScheduledBatch([], []), ScoreRows([], [], 0, [])))[1] == ScoreRows(
         [], [], 0, []
     )

@@ -284,8 +284,9 @@ def test_tp4_equals_tp1(models) -> None:
 
 def test_prompt_rows_never_leave_the_shards(models) -> None:
     """A prompt scored from position 0: only its sampling row's logits are
-    gathered, the 29 prompt rows are scored on the shards (raw mode); in
-    processed mode (the request's logit bias applies to them) they travel."""
+    gathered (its logit bias keeps them from the argmax on the shards), the
+    29 prompt rows are scored on the shards (raw mode); in processed mode
+    (the request's logit bias applies to them) they travel."""
     prompt = random_prompts(1, [30], seed=8)[0]
     args = dict(
         input_ids=prompt,
@@ -299,15 +300,64 @@ def test_prompt_rows_never_leave_the_shards(models) -> None:
         with Engine(model_path=models["qwen3"], **kw) as one:
             want = one.generate(**args)
         with Engine(model_path=models["qwen3"], tp_size=2, **kw) as two:
-            gathered: list[int] = []
-            group = two.runner.group
-
-            def counted(x, real=group.gather_to_first, seen=gathered):
-                seen.append(x.shape[0])
-                return real(x)
-
-            group.gather_to_first = counted
+            gathered = _count_gathers(two)
             got = two.generate(**args)
         assert gathered == [prefill_rows, 1], mode  # the prefill, then one decode row
         assert got["output_ids"] == want["output_ids"]
         _assert_close_logprobs(want, got)
+
+
+def _count_gathers(eng: Engine) -> list[int]:
+    """The rows of every gather of logits to rank 0 from now on."""
+    gathered: list[int] = []
+    group = eng.runner.group
+
+    def counted(x, real=group.gather_to_first):
+        gathered.append(x.shape[0])
+        return real(x)
+
+    group.gather_to_first = counted
+    return gathered
+
+
+def test_greedy_rows_never_leave_the_shards(models) -> None:
+    """Greedy rows (plain and verify) are decided on the shards by the
+    vocab-parallel argmax and scored there: no logits are gathered at all,
+    and ids and logprobs equal one device's. A sampled request's rows still
+    travel, alone: its greedy batch-mate's do not."""
+    greedy = dict(
+        input_ids=PROMPTS[:3],
+        sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=2,
+        token_ids_logprob=[3, 77],
+    )
+    kw = dict(device="cpu", max_total_tokens=2048, **_dspark(models["vanilla"]))
+    for mode in ("raw", "processed"):
+        with Engine(model_path=models["qwen3"], logprobs_mode=mode, **kw) as one:
+            want = one.generate(**greedy)
+        with Engine(model_path=models["qwen3"], logprobs_mode=mode, tp_size=2, **kw) as two:
+            gathered = _count_gathers(two)
+            got = two.generate(**greedy)
+        assert gathered == [], mode
+        assert sum(o["meta_info"]["spec_verify_ct"] for o in got) > 0
+        for a, b in zip(want, got):
+            assert a["output_ids"] == b["output_ids"], mode
+            _assert_close_logprobs(a, b)
+
+    mixed = dict(
+        input_ids=PROMPTS[:2],
+        sampling_params=[
+            {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True},
+            {"temperature": 0.8, "seed": 5, "max_new_tokens": 3, "ignore_eos": True},
+        ],
+    )
+    kw = dict(device="cpu", max_total_tokens=1024)
+    with Engine(model_path=models["qwen3"], **kw) as one:
+        want = one.generate(**mixed)
+    with Engine(model_path=models["qwen3"], tp_size=2, **kw) as two:
+        gathered = _count_gathers(two)
+        got = two.generate(**mixed)
+    assert gathered == [1, 1, 1]  # the sampled request's row of each forward
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]

@@ -1,7 +1,7 @@
 """Vocab-parallel scoring on 2 gloo ranks (this process and one spawned
 worker) against the single-device oracles on the full logits:
 ``row_logprobs_ref`` for values (to 1e-5), ``greedy_argmax`` for the greedy
-id, and, for the top-k ids, the reference's order with ties to the lowest id
+id, ``row_peaks`` for each row's peak, and, for the top-k ids, the reference's order with ties to the lowest id
 (``torch.topk`` orders ties arbitrarily; the Triton kernel and the
 vocab-parallel merge both take the lowest id first).
 
@@ -26,9 +26,11 @@ from specserve.distributed.launcher import free_addr
 from specserve.kernels.chain_verify import greedy_argmax
 from specserve.kernels.logprobs import RowLogprobs, row_logprobs_ref
 from specserve.layers.parallel import vocab_shard
+from specserve.sampling.metadata import row_peaks
 from specserve.sampling.vocab_parallel import (
     argmax_bytes,
     gather_bytes,
+    local_top_keys,
     logprob_bytes,
     vocab_parallel_argmax,
     vocab_parallel_logprobs,
@@ -149,13 +151,14 @@ class _Counting:
 class Result:
     lp: RowLogprobs
     argmax: torch.Tensor  # [R]
+    peaks: torch.Tensor  # [R]
     gathered: int  # bytes the logprobs moved
     reduced: int  # bytes the argmax moved
     same_bits: bool  # both ranks' results equal bit for bit
 
 
-def _bits(res: RowLogprobs, argmax: torch.Tensor) -> torch.Tensor:
-    f = [res.token_logprobs, res.top_values, res.ids_logprobs]
+def _bits(res: RowLogprobs, argmax: torch.Tensor, peaks: torch.Tensor) -> torch.Tensor:
+    f = [res.token_logprobs, res.top_values, res.ids_logprobs, peaks]
     i = [res.top_ids, argmax]
     return torch.cat([t.flatten().view(torch.int32) for t in f] + [t.flatten().int() for t in i])
 
@@ -171,10 +174,10 @@ def _run_all(group: RankGroup) -> list[Result]:
         lp = vocab_parallel_logprobs(
             local, start, real, c.token_ids, c.temps, c.top_k, c.gather_ids, counting
         )
-        argmax = vocab_parallel_argmax(local, start, real, counting)
-        mine = _bits(lp, argmax)
+        argmax, peaks = vocab_parallel_argmax(local, start, real, counting)
+        mine = _bits(lp, argmax, peaks)
         same = all(torch.equal(mine, other) for other in group.all_gather(mine))
-        out.append(Result(lp, argmax, counting.gathered, counting.reduced, same))
+        out.append(Result(lp, argmax, peaks, counting.gathered, counting.reduced, same))
     return out
 
 
@@ -196,6 +199,8 @@ def _check(c: Case, res: Result) -> None:
     full = row_logprobs_ref(c.logits, c.token_ids, c.temps, 0, torch.arange(v).expand(r, v))
     torch.testing.assert_close(lp.top_values, full.ids_logprobs.gather(1, lp.top_ids), **tol)
     assert torch.equal(res.argmax, greedy_argmax(c.logits)), (res.argmax, greedy_argmax(c.logits))
+    # NaN exactly where the row holds one; else the row's max (+inf, -inf too).
+    torch.testing.assert_close(res.peaks, row_peaks(c.logits), rtol=0, atol=0, equal_nan=True)
     assert res.same_bits, "the ranks' results differ"
     m = 0 if c.gather_ids is None else c.gather_ids.shape[1]
     assert res.gathered == logprob_bytes(r, c.top_k, m, SIZE)
@@ -247,6 +252,19 @@ def test_rank0_matches_one_device(ranks, case: Case) -> None:
 
 def test_rank1_matches_one_device(ranks) -> None:
     assert ranks[1] == 0, "rank 1 failed a case (its stderr says which)"
+
+
+TOP_K_CASES = [c for c in CASES if c.top_k and c.logits.shape[0]]
+
+
+@pytest.mark.parametrize("case", TOP_K_CASES, ids=[c.name for c in TOP_K_CASES])
+def test_local_top_keys_agree(case: Case) -> None:
+    """The CPU's top-k-then-key and the GPU's key-then-top-k give the same
+    keys (ties, -0.0 and -inf included), on a shard at an offset."""
+    x = case.logits[:, 16:].masked_fill(case.logits[:, 16:].isnan(), -INF)
+    k = min(case.top_k, x.shape[1])
+    cpu = local_top_keys(x, 16, k, sync_free=False)
+    assert torch.equal(cpu, local_top_keys(x, 16, k, sync_free=True))
 
 
 def test_bytes() -> None:

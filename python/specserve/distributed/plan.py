@@ -5,8 +5,10 @@ rank runs the same forward on its shard.
 A plan is a header ``[step id, kind, payload length]`` and the payload:
 the capture layer ids, then per entry ``[tokens, prefix, pages, logit
 rows, further tables, each table's length]`` and the entry's lists, then
-the rows the forward scores on the shards (``ScoreRows``: ``[count, top-k,
-width]``, rows, tokens, requested ids; a count of -1 for none). It goes out as one message of ``INLINE`` values (a collective costs a few
+the rows the forward decides and scores on the shards (``ScoreRows``:
+``[count, top-k, width, argmax count]``, rows, tokens, requested ids,
+argmax rows; a count of -1 for none). It goes out as one message of
+``INLINE`` values (a collective costs a few
 hundred microseconds over gloo on a loopback); a longer payload's rest
 follows in a second. Every plan carries the next step id; a rank that sees
 another one raises.
@@ -35,10 +37,11 @@ def pack(batch: ScheduledBatch, score: ScoreRows | None = None) -> list[int]:
     if score is None:
         return out + [-1]
     width = len(score.ids[0]) if score.ids else 0
-    out += [len(score.rows), score.top_k, width, *score.rows, *score.token_ids]
+    out += [len(score.rows), score.top_k, width, len(score.argmax)]
+    out += score.rows + score.token_ids
     for ids in score.ids:
         out += ids
-    return out
+    return out + score.argmax
 
 
 def unpack(values: list[int]) -> tuple[ScheduledBatch, ScoreRows | None]:
@@ -60,9 +63,10 @@ def unpack(values: list[int]) -> tuple[ScheduledBatch, ScoreRows | None]:
     n = take(1)[0]
     score = None
     if n >= 0:
-        top_k, width = take(2)
+        top_k, width, n_argmax = take(3)
         rows, tokens = take(n), take(n)
-        score = ScoreRows(rows, tokens, top_k, [take(width) for _ in range(n)])
+        ids = [take(width) for _ in range(n)]
+        score = ScoreRows(rows, tokens, top_k, ids, take(n_argmax))
     assert at == len(values), "a plan with trailing values"
     return batch, score
 

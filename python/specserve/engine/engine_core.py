@@ -8,13 +8,14 @@ and ``step``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from specserve.cache.block_pool import BlockPool
 from specserve.config import EngineConfig
-from specserve.core import FinishReason, Req, ReqStatus, ScheduledBatch, SpecStats
+from specserve.core import FinishReason, Req, ReqStatus, ReqStep, ScheduledBatch, SpecStats
 from specserve.distributed import DistributedError
 from specserve.engine.output_processor import (
     OutputProcessor,
@@ -29,6 +30,7 @@ from specserve.runner.model_runner import ForwardOutput, ModelRunner
 from specserve.sampling.logprobs import TokenLogprob
 from specserve.sampling.metadata import (
     StepRows,
+    argmax_decides,
     processed_logits,
     row_peaks,
     step_rows,
@@ -36,6 +38,7 @@ from specserve.sampling.metadata import (
 from specserve.sampling.penalties import PenaltyState, apply_logit_bias
 from specserve.sampling.sampler import Sampler
 from specserve.speculative.base import Proposer
+from specserve.speculative.verify import accept_lengths
 from specserve.tokenizer.detokenizer import Decoder
 
 logger = logging.getLogger(__name__)
@@ -270,42 +273,57 @@ class EngineCore:
         that may commit: batched, and without committing anything. The device
         is read back once here (and once by a drafting proposer, at the end
         of the step)."""
-        # Under tensor parallelism the prompt rows are scored on the shards:
-        # their logits never travel.
-        prompt = None
+        v, steps = self.runner.vocab_size, batch.steps
+        # Under tensor parallelism the rows whose token is their argmax are
+        # decided on the shards, and scored there with the prompt rows: their
+        # logits never travel.
+        decided = shard = None
         if self.runner.scores_on_shards:
-            prompt = self.output_processor.prompt_rows(batch.steps, batch.row_offsets)
-        fwd = self.runner.forward(batch) if prompt is None else self.runner.forward(batch, prompt)
-        # Every row a token is drawn or verified from, as the sampler sees it.
-        rows = step_rows(batch.steps, fwd.row_offsets, self.runner.vocab_size)
+            decided = step_rows(steps, batch.row_offsets, v, lambda i: argmax_decides(steps[i]))
+            shard = self.output_processor.shard_rows(steps, batch.row_offsets, decided)
+        fwd = self.runner.forward(batch) if shard is None else self.runner.forward(batch, shard)
+        # Every other row a token is drawn or verified from, as the sampler sees it.
+        others = None if decided is None else (lambda i: i not in decided.spans)
+        rows = step_rows(steps, fwd.row_offsets, v, others)
         processed = processed_logits(_take(fwd.logits, rows.logit_rows), rows.metadata)
-        peaks = row_peaks(processed)  # [len(rows.logit_rows)]
-        pending = [p for p in (self._sample(batch, rows, processed),) if p is not None]
+        # Each run group with the rows its tokens came from, and which peaks they have.
+        peaks = [row_peaks(processed)]  # [len(rows.logit_rows)]
+        groups: list[tuple[PendingRuns, StepRows, int]] = []
+        sampled = self._sample(batch, rows, processed)
+        if sampled is not None:
+            groups.append((sampled, rows, 0))
         if self.spec is not None:
             verified = self.spec.verify(batch, rows, processed, self.sampler.generator)
-            pending += [verified] if verified is not None else []
+            if verified is not None:
+                groups.append((verified, rows, 0))
+        if decided is not None and fwd.argmax is not None:
+            ids, decided_peaks = fwd.argmax
+            groups.append((_argmax_runs(steps, decided, ids), decided, len(peaks)))
+            peaks.append(decided_peaks)  # [len(decided.logit_rows)]
+        pending = [g for g, _, _ in groups]
         scoring = self._scoring_logits(batch, fwd, rows.logit_rows, processed)
         scores = self.output_processor.score(
-            batch.steps, fwd.row_offsets, pending, scoring, fwd.scores
+            steps, fwd.row_offsets, pending, scoring, shard, fwd.scores
         )
         # The step's one read back: every run's tokens (and accept lengths),
         # the rows' peaks, the scores.
         run_tensors = [t for g in pending for t in g.tensors()]
-        host = self.staging.fetch([*run_tensors, peaks, *scores.tensors()])
-        by_step: list[RunCommit | None] = [None] * len(batch.steps)
-        unusable: list[Exception | None] = [None] * len(batch.steps)
+        host = self.staging.fetch([*run_tensors, *peaks, *scores.tensors()])
+        host_peaks = host[len(run_tensors) : len(run_tensors) + len(peaks)]
+        by_step: list[RunCommit | None] = [None] * len(steps)
+        unusable: list[Exception | None] = [None] * len(steps)
         candidates: list[int] = []
-        for k, group in enumerate(pending):
+        for k, (group, group_rows, peaks_at) in enumerate(groups):
             tokens, accept = host[2 * k], host[2 * k + 1]
             candidates += tokens
             for run in group.commits(tokens, accept):
                 by_step[run.step] = run
                 # Only the rows its committed tokens came from (a chain's
                 # rows after a rejection decided nothing).
-                unusable[run.step] = rows.unusable(
-                    run.step, len(run.token_ids), host[len(run_tensors)]
+                unusable[run.step] = group_rows.unusable(
+                    run.step, len(run.token_ids), host_peaks[peaks_at]
                 )
-        step_scores = scores.finish(host[len(run_tensors) + 1 :], candidates)
+        step_scores = scores.finish(host[len(run_tensors) + len(peaks) :], candidates)
         return _Computed(batch, fwd, by_step, step_scores, unusable)
 
     def _commit(self, c: _Computed) -> None:
@@ -401,6 +419,19 @@ class EngineCore:
             kind = req.finish_reason.type if req.finish_reason else "unknown"
             self.stats.finished[kind] = self.stats.finished.get(kind, 0) + 1
         return out
+
+
+def _argmax_runs(steps: Sequence[ReqStep], decided: StepRows, ids: torch.Tensor) -> PendingRuns:
+    """The runs of the steps ``decided`` holds, from each row's greedy token
+    ``ids`` (``[len(decided.logit_rows)]``, found on the shards): a plain
+    step's token, a chain's candidates with its accept length (greedy
+    verification: the argmax of every row is what the row commits)."""
+    members = list(decided.spans)
+    scoring = [decided.logit_rows[span.start : span.stop] for span in decided.spans.values()]
+    accept = None
+    if any(steps[i].verify for i in members):
+        accept = accept_lengths(ids, [steps[i].drafts for i in members])
+    return PendingRuns(members, scoring, ids, accept)
 
 
 def _take(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.core import FinishReason, Req, ReqStep, ScoreRows
+from specserve.core import ARGMAX, FinishReason, Req, ReqStep, ScoreRows
 from specserve.grammar.bitmask import advance_committed
 from specserve.host import upload
 from specserve.kernels.logprobs import RowLogprobs
@@ -27,6 +27,7 @@ from specserve.sampling.logprobs import (
     score_rows_device,
     scored_tensors,
 )
+from specserve.sampling.metadata import StepRows
 from specserve.tokenizer.detokenizer import Decoder, DetokState, detok_flush, detok_step
 
 
@@ -94,25 +95,26 @@ class PendingScores:
         return out
 
 
-def interleave(
-    prompt: RowLogprobs, runs: RowLogprobs | None, is_run: Sequence[bool]
-) -> RowLogprobs:
-    """The scores of every query in order: ``prompt``'s rows where
-    ``is_run`` is False, ``runs``'s where it is True (top-k and requested-id
-    columns padded to the wider; the host reads each query's own width)."""
-    parts = [prompt] if runs is None else [prompt, runs]
+def interleave(shard: RowLogprobs, picks: Sequence[int], here: RowLogprobs | None) -> RowLogprobs:
+    """The scores of every query in order: ``shard``'s row ``picks[q]`` for a
+    query scored on the shards (``picks[q] >= 0``), ``here``'s next row for
+    the others (top-k and requested-id columns padded to the wider; the host
+    reads each query's own width)."""
+    parts = [shard] if here is None else [shard, here]
     k = max(p.top_ids.shape[1] for p in parts)
     m = max(p.ids_logprobs.shape[1] for p in parts)
-    n, dev = len(is_run), prompt.token_logprobs.device
+    n, dev = len(picks), shard.token_logprobs.device
+    from_shard = [q for q, at in enumerate(picks) if at >= 0]
+    taken = upload([at for at in picks if at >= 0], dev)
 
     def widen(t: torch.Tensor, width: int, fill: float) -> torch.Tensor:
         return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)
 
     def place(values: list[torch.Tensor], fill: float) -> torch.Tensor:
         out = values[0].new_full((n, *values[0].shape[1:]), fill)
-        out[upload([i for i, r in enumerate(is_run) if not r], dev)] = values[0]
+        out[upload(from_shard, dev)] = values[0][taken]
         if len(values) > 1:
-            out[upload([i for i, r in enumerate(is_run) if r], dev)] = values[1]
+            out[upload([q for q, at in enumerate(picks) if at < 0], dev)] = values[1]
         return out
 
     return RowLogprobs(
@@ -163,14 +165,15 @@ class OutputProcessor:
         row_offsets: Sequence[int],
         pending: Sequence[PendingRuns],
         scoring_logits: torch.Tensor,  # [R, V] float32
-        prompt_scores: RowLogprobs | None = None,
+        shard: ScoreRows | None = None,
+        shard_scores: RowLogprobs | None = None,
     ) -> PendingScores:
         """Scores every row a step may commit, in one kernel call on the
         device; nothing is committed or read back yet (a failed step can be
         rerun). A run's candidates are all scored: those that do not commit
         (rejected drafts, tokens past a stop) are dropped at commit.
-        ``prompt_scores``: the prompt rows (``prompt_rows``) already scored
-        where the logits are; the kernel scores the runs' rows alone."""
+        ``shard_scores``: the rows of ``shard`` (``shard_rows``) already
+        scored where the logits are; the kernel scores the other rows alone."""
         run_of: dict[int, tuple[int, list[int]]] = {}  # step -> (first candidate, rows)
         at = 0
         for group in pending:
@@ -180,11 +183,11 @@ class OutputProcessor:
         prompt = iter(self._prompt_queries(steps, row_offsets))
         queries: list[RowQuery] = []
         counts: list[tuple[int, int]] = []
-        source: list[int] = []
-        is_run: list[bool] = []  # per query
+        source: list[int | None] = []  # per query: its run candidate, None for a prompt row
         for i, step in enumerate(steps):
             req = step.req
             queries += [next(prompt) for _ in range(step.num_input_logprob_rows)]
+            source += [None] * step.num_input_logprob_rows
             num_run = 0
             if i in run_of and req.logprob.return_logprob:
                 first, rows = run_of[i]
@@ -192,22 +195,21 @@ class OutputProcessor:
                 source.extend(range(first, first + len(rows)))
                 num_run = len(rows)
             counts.append((step.num_input_logprob_rows, num_run))
-            is_run += [False] * step.num_input_logprob_rows + [True] * num_run
+        # Each query's row in shard_scores, or -1: scored here.
+        scored = shard.rows if shard is not None and shard_scores is not None else []
+        at_shard = {row: k for k, row in enumerate(scored)}
+        picks = [at_shard.get(q.row, -1) for q in queries]
+        here = [q for q, k in zip(queries, picks) if k < 0]
+        wanted = [c for c, k in zip(source, picks) if c is not None and k < 0]
         device_tokens = None
-        if source:
+        if wanted:
             candidates = torch.cat([g.tokens for g in pending])
-            index = upload(source, candidates.device)
-            device_tokens = candidates[index]
-        if prompt_scores is None:
-            out = score_rows_device(scoring_logits, queries, device_tokens, self.kernel_backend)
-        else:
-            runs = [q for q, r in zip(queries, is_run) if r]
-            out = interleave(
-                prompt_scores,
-                score_rows_device(scoring_logits, runs, device_tokens, self.kernel_backend),
-                is_run,
-            )
-        return PendingScores(queries, counts, source, out)
+            device_tokens = candidates[upload(wanted, candidates.device)]
+        out = score_rows_device(scoring_logits, here, device_tokens, self.kernel_backend)
+        if shard_scores is not None and len(here) < len(queries):
+            out = interleave(shard_scores, picks, out)
+        runs = [c for c in source if c is not None]
+        return PendingScores(queries, counts, runs, out)
 
     def commit(self, step: ReqStep, run: RunCommit | None, scores: StepScores) -> None:
         """Commits one request's part of a step: its prompt logprobs, then its
@@ -228,34 +230,55 @@ class OutputProcessor:
         logprobs = scores.run[: scan.num_tokens] if req.logprob.return_logprob else None
         req.append_run(tokens[: scan.num_tokens], scan.text, scan.detok, logprobs, scan.finish)
 
-    def prompt_rows(self, steps: Sequence[ReqStep], row_offsets: Sequence[int]) -> ScoreRows | None:
-        """Every step's prompt rows as ``ScoreRows`` (their tokens are known
-        before the forward), for scoring where the logits are; None in
-        processed mode (prompt rows get the request's logit bias first) or
-        when there are none."""
-        if self.processed:
+    def shard_rows(
+        self, steps: Sequence[ReqStep], row_offsets: Sequence[int], decided: StepRows
+    ) -> ScoreRows | None:
+        """The rows decided and scored where the logits are (on the shards
+        under tensor parallelism): every row of ``decided`` (its token is the
+        row's argmax), scored there too for requests that ask logprobs, and
+        every prompt row that scores the model's own logits (its token is
+        known before the forward): all in raw mode, in processed mode those
+        of requests without a logit bias or temperature. None when there
+        are none."""
+        queries = [
+            q
+            for i, step in enumerate(steps)
+            if self._scores_model_logits(step.req)
+            for q in self._inputs(step, row_offsets[i])
+        ]
+        for i, span in decided.spans.items():
+            req = steps[i].req
+            if req.logprob.return_logprob:
+                queries += [self._query(req, decided.logit_rows[k], ARGMAX) for k in span]
+        if not queries and not decided.logit_rows:
             return None
-        queries = self._prompt_queries(steps, row_offsets)
-        if not queries:
-            return None
-        width = max(len(q.ids or ()) for q in queries)
+        width = max((len(q.ids or ()) for q in queries), default=0)
         return ScoreRows(
             [q.row for q in queries],
-            [q.token_id for q in queries],
-            max(q.top_k for q in queries),
+            [q.token_id for q in queries],  # type: ignore[misc]  # all known or ARGMAX
+            max((q.top_k for q in queries), default=0),
             [list(q.ids or ()) + [-1] * (width - len(q.ids or ())) for q in queries],
+            decided.logit_rows,
         )
 
     def _prompt_queries(
         self, steps: Sequence[ReqStep], row_offsets: Sequence[int]
     ) -> list[RowQuery]:
+        return [q for i, step in enumerate(steps) for q in self._inputs(step, row_offsets[i])]
+
+    def _inputs(self, step: ReqStep, first_row: int) -> list[RowQuery]:
+        """The step's prompt rows, from its entry's ``first_row``."""
+        req, start = step.req, step.input_logprob_start
         return [
-            self._query(
-                step.req, row_offsets[i] + j, step.req.token_at(step.input_logprob_start + j)
-            )
-            for i, step in enumerate(steps)
+            self._query(req, first_row + j, req.token_at(start + j))
             for j in range(step.num_input_logprob_rows)
         ]
+
+    def _scores_model_logits(self, req: Req) -> bool:
+        """Whether ``req``'s prompt rows score the model's logits as they are:
+        always in raw mode; in processed mode unless its logit bias or its
+        temperature changes them."""
+        return not self.processed or not (req.sampling.logit_bias or self.temperature(req) != 1.0)
 
     def _query(self, req: Req, row: int, token: int | None) -> RowQuery:
         opts = req.logprob

@@ -71,7 +71,7 @@ class SpecDecoder:
         steps: list[int] = []
         scoring: list[list[int]] = []
         for i, step in enumerate(batch.steps):
-            if not step.verify:
+            if not step.verify or i not in rows.spans:  # (or decided on the shards)
                 continue
             req, span = step.req, rows.spans[i]
             x = processed[span.start : span.stop]  # [1 + L, V]

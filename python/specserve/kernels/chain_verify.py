@@ -88,17 +88,18 @@ def greedy_verify_ref(
     if b == 0:
         empty = torch.empty(0, dtype=torch.int64, device=dev)
         return empty, empty.clone()
-    return _accept(greedy_argmax(logits), row_starts, drafts, lengths)
+    return greedy_accept(greedy_argmax(logits), row_starts, drafts, lengths)
 
 
-def _accept(
+def greedy_accept(
     target: torch.Tensor,  # [R] each row's greedy token
     row_starts: torch.Tensor,
     drafts: torch.Tensor,
     lengths: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept lengths and next tokens from every row's greedy token, all
-    chains at once (no loop, no host read)."""
+    chains at once (no loop, no host read). Both verifiers end here, and so
+    do rows whose greedy tokens were found elsewhere (on the shards)."""
     lmax = drafts.shape[1]
     dev = target.device
     j = torch.arange(lmax, device=dev)  # [Lmax]
@@ -411,7 +412,7 @@ def greedy_verify_triton(
         logits, logits.stride(0), keys, keys.stride(0), v, split, BLOCK_V=block_v, num_warps=4
     )
     target = 2147483647 - (keys.amax(dim=1) & 0x7FFFFFFF)  # [R] lowest id of each row's max
-    return _accept(target, row_starts, drafts, lengths)
+    return greedy_accept(target, row_starts, drafts, lengths)
 
 
 def rejection_verify_triton(

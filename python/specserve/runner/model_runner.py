@@ -46,8 +46,11 @@ class ForwardOutput:
     row_offsets: list[int]  # first logits row of each entry; len(entries) + 1 values
     # Outputs of batch.capture_layer_ids, concatenated per token: [T, m * d].
     captured: torch.Tensor | None = None
-    # The forward's ``ScoreRows``, scored on the shards (their rows of
-    # ``logits`` are left unset: they never left the shards).
+    # The forward's ``ScoreRows``, decided and scored on the shards (their
+    # rows of ``logits`` are left unset: they never left the shards): the
+    # greedy token and the peak of each ``argmax`` row ([A] int64, [A]
+    # float32), the logprobs of the scored rows.
+    argmax: tuple[torch.Tensor, torch.Tensor] | None = None
     scores: RowLogprobs | None = None
 
 
@@ -282,7 +285,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, score: ScoreRows | None = None) -> ForwardOutput:
         """The batch's forward (on every rank of the group: its plan goes
-        out first), and ``score``'s rows scored (``scores_on_shards`` only).
+        out first), and ``score``'s rows decided and scored
+        (``scores_on_shards`` only).
         Under tensor parallelism a forward that fails here fails the group
         (``DistributedError``): the other ranks may be waiting in one of its
         collectives, and the next forward's would meet theirs."""
@@ -320,8 +324,10 @@ class ModelRunner:
         if self.group.size == 1:
             logits = self.model.compute_logits(hidden[inputs.logit_index])
             return ForwardOutput(logits=logits, row_offsets=offsets, captured=cap)
-        logits, scores = score_on_shards(self.model.logits_head, hidden[inputs.logit_index], score)
-        return ForwardOutput(logits=logits, row_offsets=offsets, captured=cap, scores=scores)
+        logits, argmax, scores = score_on_shards(
+            self.model.logits_head, hidden[inputs.logit_index], score
+        )
+        return ForwardOutput(logits, offsets, cap, argmax, scores)
 
     @torch.inference_mode()
     def verify_forward(

@@ -20,7 +20,7 @@ the step's one read back, and the engine fails their requests
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,9 +93,27 @@ class NoTokenPossible(ValueError):
     """The request's own constraints leave its row no token (its input: 400)."""
 
 
-def step_rows(steps: Sequence[ReqStep], row_offsets: Sequence[int], vocab_size: int) -> StepRows:
+def argmax_decides(step: ReqStep) -> bool:
+    """Whether every token the step draws or verifies is the argmax of the
+    model's own logits: a greedy request that no grammar, bias, penalty or
+    held stop id changes (its first row is its most constrained one), so
+    ``processed_logits`` leaves its rows as they are."""
+    req = step.req
+    if not (step.sample or step.verify) or not req.sampling.greedy or req.grammar is not None:
+        return False
+    first = RowControls(req.sampling, req.penalty, len(req.output_ids), req.held_stop_ids, ())
+    return not first.active
+
+
+def step_rows(
+    steps: Sequence[ReqStep],
+    row_offsets: Sequence[int],
+    vocab_size: int,
+    which: Callable[[int], bool] | None = None,
+) -> StepRows:
     """Every row of the step a token is drawn from (the sampling row of a
-    plain step) or verified against (each row of a chain), in batch order."""
+    plain step) or verified against (each row of a chain), in batch order;
+    with ``which``, only those of the steps (by index) it picks."""
     logit_rows: list[int] = []
     spans: dict[int, range] = {}
     controls: list[RowControls] = []
@@ -103,6 +121,8 @@ def step_rows(steps: Sequence[ReqStep], row_offsets: Sequence[int], vocab_size: 
     chains: list[tuple[int, ReqStep]] = []  # (first metadata row, step) of grammar requests
     for i, step in enumerate(steps):
         req = step.req
+        if which is not None and not which(i):
+            continue
         if step.verify:
             first, n = row_offsets[i], 1 + len(step.drafts)
         elif step.sample:

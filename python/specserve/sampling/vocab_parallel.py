@@ -19,7 +19,8 @@ exchange only those:
   rather than max, sum and gather: each one is a round trip (latency, not
   bandwidth, dominates such small messages), and at 2 ranks an all-reduce
   moves as many bytes as the all-gather does;
-- greedy argmax: ONE all-reduce (max) of ``[R]`` int64 keys.
+- greedy argmax and row peaks: ONE all-reduce (max) of ``[R, 2]`` int64
+  (each row's key, and whether the shard's row holds a NaN).
 
 A key packs (value, global id) so that one integer comparison orders by value
 descending, then id ascending: the high 32 bits are the float's bits remapped
@@ -27,7 +28,8 @@ so that signed-int order is float order (-0.0 folded into +0.0), the low 32
 bits are ``ID_MAX - id``. A top-k or max of keys has no ties, so ties go to
 the lowest global id on any number of ranks, as on one device (the Triton
 kernel, and ``row_logprobs_ref``'s ``topk_lowest_id``).
-The keys cost an int64 copy of the shard's ``[R, Vr]`` logits (top-k only).
+A shard's top-k is keyed after it is found on the CPU, before on a GPU
+(``local_top_keys``).
 
 The contract is ``kernels.logprobs``'s: NaN logits count as -inf; a row with
 no possible token (all -inf, or holding +inf, where ``log_softmax`` is NaN)
@@ -43,11 +45,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.core import ScoreRows
+from specserve.core import ARGMAX, ScoreRows
 from specserve.distributed import RankGroup
 from specserve.host import upload
 from specserve.kernels.chain_verify import greedy_argmax
-from specserve.kernels.logprobs import RowLogprobs
+from specserve.kernels.logprobs import RowLogprobs, topk_lowest_id
 from specserve.sampling.logprobs import clamped
 
 if TYPE_CHECKING:
@@ -83,6 +85,23 @@ def _owned(x: torch.Tensor, ids: torch.Tensor, vocab_start: int) -> torch.Tensor
         return torch.full(ids.shape, NEG_INF, dtype=torch.float32, device=x.device)
     got = x.gather(1, local.clamp(0, real - 1))  # [R, M]
     return got.masked_fill(~own, NEG_INF)
+
+
+def local_top_keys(
+    x: torch.Tensor, vocab_start: int, k: int, sync_free: bool | None = None
+) -> torch.Tensor:
+    """The keys of the shard's top ``k`` of ``x [R, Vr]`` (no NaN), ``[R, k]``
+    int64, ties to the lowest id. On the CPU through ``topk_lowest_id`` and
+    then keys for the k alone (a tenth of keying the whole shard: 8 vs 74 ms
+    at ``[64, 75968]``); on a GPU (``sync_free``) a top-k of the whole
+    shard's keys, which needs no read back."""
+    if sync_free is None:
+        sync_free = x.is_cuda  # topk_lowest_id reads back whether a row has ties
+    if sync_free:
+        ids = torch.arange(vocab_start, vocab_start + x.shape[1], device=x.device)  # [Vr]
+        return _keys(x, ids).topk(k, dim=1).values
+    values, ids = topk_lowest_id(x, k)  # [R, k], sorted, ties to the lowest id
+    return _keys(values, ids + vocab_start)
 
 
 def vocab_parallel_logprobs(
@@ -124,8 +143,7 @@ def vocab_parallel_logprobs(
     k_here = min(top_k, vocab_real)
     top = torch.full((r, top_k), EMPTY, dtype=torch.int64, device=dev)  # [R, k]
     if k_here > 0:
-        ids = torch.arange(vocab_start, vocab_start + vocab_real, device=dev)  # [Vr]
-        top[:, :k_here] = _keys(x, ids).topk(k_here, dim=1).values
+        top[:, :k_here] = local_top_keys(x, vocab_start, k_here)
 
     # [R, 3 + M + 2k] float32: m, s, token logit, requested logits, top keys.
     payload = torch.cat([m_r.unsqueeze(1), s_r.unsqueeze(1), picked, top.view(torch.float32)], 1)
@@ -159,43 +177,67 @@ def vocab_parallel_logprobs(
 
 def vocab_parallel_argmax(
     local_logits: torch.Tensor, vocab_start: int, vocab_real: int, group: RankGroup
-) -> torch.Tensor:
-    """``greedy_argmax`` of the full logits (``[R]`` int64 global ids, ties to
-    the lowest id, NaN never chosen, an all NaN / -inf row gives 0) from this
-    rank's shard: one all-reduce (max) of ``[R]`` int64 keys."""
-    r = local_logits.shape[0]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(greedy_argmax, row_peaks)`` of the full logits from this rank's
+    shard: ``[R]`` int64 global ids (ties to the lowest id, NaN never chosen,
+    an all NaN / -inf row gives 0) and ``[R]`` float32 row maxima (NaN where
+    the row holds a NaN), in ONE all-reduce (max) of ``[R, 2]`` int64: each
+    row's key and whether the shard's row holds a NaN."""
+    r, dev = local_logits.shape[0], local_logits.device
+    out = torch.zeros(r, 2, dtype=torch.int64, device=dev)  # [R, (key, has NaN)]
     if vocab_real == 0:  # a shard of padding only (vocab < ranks)
-        key = torch.full((r,), EMPTY, dtype=torch.int64, device=local_logits.device)
-    else:
+        out[:, 0] = EMPTY
+    elif r:
         x = local_logits[:, :vocab_real]  # [R, Vr]
-        idx = greedy_argmax(x).to(x.device)  # [R] local; the shard's first best
+        idx = greedy_argmax(x).to(dev)  # [R] local; the shard's first best
         v = x.gather(1, idx.unsqueeze(1)).squeeze(1).float()  # [R]
-        v = v.masked_fill(v.isnan(), NEG_INF)  # an all-NaN shard picks its column 0
-        key = _keys(v, idx + vocab_start)
-    return _unkey(group.all_reduce_max(key))[1]
+        has_nan = x.amax(dim=1).isnan()  # amax keeps NaN (argmax skips it)
+        # An all-NaN shard row picks its column 0, worth -inf.
+        out[:, 0] = _keys(v.masked_fill(v.isnan(), NEG_INF), idx + vocab_start)
+        out[:, 1] = has_nan.long()
+    out = group.all_reduce_max(out)
+    peaks, ids = _unkey(out[:, 0])
+    return ids, peaks.masked_fill(out[:, 1] > 0, float("nan"))
 
 
 def score_on_shards(
     head: VocabParallelHead, hidden: torch.Tensor, score: ScoreRows | None
-) -> tuple[torch.Tensor | None, RowLogprobs | None]:
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, RowLogprobs | None]:
     """``head``'s logits of ``hidden [R, d]`` on rank 0 (``[R, V]``; None on
-    the others), but ``score``'s rows scored here instead, from the shards
-    (the same values on every rank, clamped as every reported logprob is):
-    their logits never leave the shards, and their rows of the returned
-    logits are left unset."""
+    the others), but ``score``'s rows decided and scored here instead, from
+    the shards, the same on every rank: ``(ids, peaks)`` of its ``argmax``
+    rows (``vocab_parallel_argmax``) and the logprobs of its scored rows
+    (clamped, as every reported logprob is). Those rows' logits never leave
+    the shards; their rows of the returned logits are left unset."""
     local = head(hidden)  # [R, V / N]
-    if score is None or not score.rows:
-        return head.gather(local), None
-    dev, n = local.device, len(score.rows)
-    rows = upload(score.rows, dev)
-    ids = torch.tensor(score.ids, dtype=torch.int64).view(n, -1).to(dev)
-    out = vocab_parallel_logprobs(
-        local[rows], head.vocab_start, head.vocab_real, upload(score.token_ids, dev),
-        None, score.top_k, ids, head.group,
-    )  # fmt: skip
+    if score is None or not (score.rows or score.argmax):
+        return head.gather(local), None, None
+    dev = local.device
     keep = torch.ones(local.shape[0], dtype=torch.bool, device=dev)
-    keep[rows] = False
-    return head.gather(local, keep, local.shape[0] - n), clamped(out)
+    greedy = None
+    if score.argmax:
+        at = upload(score.argmax, dev)
+        greedy = vocab_parallel_argmax(local[at], head.vocab_start, head.vocab_real, head.group)
+        keep[at] = False
+    scores = None
+    if score.rows:
+        n = len(score.rows)
+        rows = upload(score.rows, dev)
+        tokens = upload(score.token_ids, dev)
+        if greedy is not None and ARGMAX in score.token_ids:
+            # A scored ARGMAX row scores its own greedy token.
+            where = {row: k for k, row in enumerate(score.argmax)}
+            pick = [where.get(row, 0) for row in score.rows]
+            tokens = torch.where(tokens == ARGMAX, greedy[0][upload(pick, dev)], tokens)
+        ids = torch.tensor(score.ids, dtype=torch.int64).view(n, -1).to(dev)
+        out = vocab_parallel_logprobs(
+            local[rows], head.vocab_start, head.vocab_real, tokens,
+            None, score.top_k, ids, head.group,
+        )  # fmt: skip
+        scores = clamped(out)
+        keep[rows] = False
+    kept = local.shape[0] - len(set(score.rows) | set(score.argmax))
+    return head.gather(local, keep, kept), greedy, scores
 
 
 def logprob_bytes(rows: int, top_k: int, num_ids: int, size: int) -> int:
@@ -216,6 +258,6 @@ def gather_bytes(rows: int, vocab: int, size: int) -> int:
 
 
 def argmax_bytes(rows: int, size: int) -> int:
-    """Bytes ``vocab_parallel_argmax`` moves: a ring all-reduce of ``rows``
+    """Bytes ``vocab_parallel_argmax`` moves: a ring all-reduce of ``rows x 2``
     int64 sends ``2 (size - 1) / size`` of them from each of ``size`` ranks."""
-    return 2 * (size - 1) * rows * 8
+    return 2 * (size - 1) * rows * 2 * 8

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.host import upload
-from specserve.kernels.chain_verify import greedy_verify, rejection_verify
+from specserve.kernels.chain_verify import greedy_accept, greedy_verify, rejection_verify
 from specserve.sampling.metadata import target_probs
 from specserve.sampling.params import SamplingParams
 
@@ -73,7 +73,9 @@ def verify_chains(
     if greedy:
         members = [chains[i].logits for i in greedy]
         rows = members[0] if len(members) == 1 else torch.cat(members)  # (one: no copy)
-        greedy_out = greedy_verify(rows, *_layout([chains[i] for i in greedy], device), backend)
+        greedy_out = greedy_verify(
+            rows, *_layout([chains[i].drafts for i in greedy], device), backend
+        )
         if len(greedy) == len(chains):  # every chain, in order: nothing to place
             return ChainOutcome(greedy_out[0].to(torch.int64), greedy_out[1].to(torch.int64))
     accept = torch.zeros(len(chains), dtype=torch.int64, device=device)
@@ -94,15 +96,23 @@ def verify_chains(
     return ChainOutcome(accept, nxt)
 
 
+def accept_lengths(targets: torch.Tensor, drafts: Sequence[list[int]]) -> torch.Tensor:
+    """Greedy verification from each row's greedy token ``targets
+    [sum(1 + L)]`` (found where the logits are: on the shards), chains of
+    ``drafts`` back to back (a plain row is a chain of none): ``[C]`` int64
+    accepted drafts. Each row's token is what it commits."""
+    return greedy_accept(targets, *_layout(drafts, targets.device))[0]
+
+
 def _layout(
-    group: Sequence[Chain], device: torch.device
+    drafts: Sequence[list[int]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row starts ``[B]``, padded drafts ``[B, Lmax]`` and lengths ``[B]``."""
-    lengths = [len(c.drafts) for c in group]
-    starts = [sum(n + 1 for n in lengths[:i]) for i in range(len(group))]
+    lengths = [len(d) for d in drafts]
+    starts = [sum(n + 1 for n in lengths[:i]) for i in range(len(drafts))]
     width = max(max(lengths), 1)
-    drafts = [c.drafts + [0] * (width - len(c.drafts)) for c in group]
-    return upload(starts, device), upload(drafts, device), upload(lengths, device)
+    padded = [d + [0] * (width - len(d)) for d in drafts]
+    return upload(starts, device), upload(padded, device), upload(lengths, device)
 
 
 def _rejection(
@@ -111,7 +121,7 @@ def _rejection(
     rows = torch.cat([c.logits for c in members])  # [sum(1 + L), V]
     probs = target_probs(rows, [c.params for c in members for _ in range(1 + len(c.drafts))])
     device = probs.device
-    starts, drafts, lengths = _layout(members, device)
+    starts, drafts, lengths = _layout([c.drafts for c in members], device)
     width = drafts.shape[1]
     # Columns 0..L-1: the accept tests; column ``width``: the final draw.
     # Unseeded chains draw theirs from the shared generator in one call. A
