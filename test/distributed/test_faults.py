@@ -94,6 +94,19 @@ def test_a_plan_for_a_rank_stopped_between_forwards_times_out() -> None:
         worker.wait()
 
 
+def test_rank_0_stops_waiting_for_a_rank_that_died_while_starting() -> None:
+    """A worker that exits before it joins (the launcher's watch names it)
+    ends rank 0's start-up at once, not after the store's timeout."""
+    start = time.monotonic()
+
+    def failure() -> str | None:
+        return "rank 1 exited with code 1" if time.monotonic() - start > 0.5 else None
+
+    with pytest.raises(DistributedError, match="rank 1 exited with code 1"):
+        connect(0, 2, free_addr(), torch.device("cpu"), timeout=30.0, failure=failure)
+    assert time.monotonic() - start < 10
+
+
 def test_a_raising_rank_stops_the_engine() -> None:
     """A worker that fails (here on a plan with the wrong step id, which it
     must refuse) exits non-zero; the engine stops on it while idle."""

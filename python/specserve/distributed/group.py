@@ -11,6 +11,7 @@ long as the server is idle.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -132,11 +133,19 @@ def connect(
     failure: Callable[[], str | None] = lambda: None,
 ) -> RankGroup:
     """Joins the group of ``size`` ranks that meet at ``init_addr``
-    (host:port; rank 0 hosts the store). Blocks until every rank has come."""
+    (host:port; rank 0 hosts the store). Blocks until every rank has come;
+    rank 0 stops waiting as soon as ``failure`` names a reason (a worker
+    that died while starting) or after ``max(timeout, 60)`` seconds."""
     host, _, port = init_addr.rpartition(":")
+    join_timeout = max(timeout, 60.0)
     store = dist.TCPStore(
-        host, int(port), size, rank == 0, timeout=datetime.timedelta(seconds=max(timeout, 60.0))
-    )
+        host, int(port), size, rank == 0,
+        timeout=datetime.timedelta(seconds=join_timeout), wait_for_workers=False,
+    )  # fmt: skip
+    if rank == 0:
+        _wait_for_ranks(store, size, join_timeout, failure)
+    else:
+        store.set(f"joined/{rank}", "1")
     op_timeout = datetime.timedelta(seconds=timeout)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
@@ -146,3 +155,23 @@ def connect(
         device_pg = dist.ProcessGroupGloo(dist.PrefixStore("device", store), rank, size, op_timeout)
     control_pg = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size, IDLE_TIMEOUT)
     return RankGroup(rank, size, device_pg, control_pg, failure, store, op_timeout)
+
+
+def _wait_for_ranks(
+    store: dist.TCPStore, size: int, timeout: float, failure: Callable[[], str | None]
+) -> None:
+    """Rank 0: until every other rank has said it joined the store, polling
+    ``failure`` between looks (the store's own wait could not be cut short)."""
+    keys = [f"joined/{r}" for r in range(1, size)]
+    deadline = time.monotonic() + timeout
+    while not store.check(keys):
+        why = failure()
+        if why is not None:
+            raise DistributedError(f"tensor-parallel start-up failed: {why}")
+        if time.monotonic() > deadline:
+            missing = [k.split("/")[1] for k in keys if not store.check([k])]
+            raise DistributedError(
+                f"tensor-parallel start-up: rank(s) {', '.join(missing)} did not join "
+                f"within {timeout:.0f}s"
+            )
+        time.sleep(0.05)
