@@ -24,13 +24,12 @@ from specserve.distributed import RankGroup
 from specserve.distributed.group import connect
 from specserve.distributed.launcher import free_addr
 from specserve.kernels.chain_verify import greedy_argmax
-from specserve.kernels.logprobs import RowLogprobs, row_logprobs_ref
+from specserve.kernels.logprobs import HAS_TRITON, RowLogprobs, row_logprobs_ref
 from specserve.layers.parallel import vocab_shard
 from specserve.sampling.metadata import row_peaks
 from specserve.sampling.vocab_parallel import (
     argmax_bytes,
     gather_bytes,
-    local_top_keys,
     logprob_bytes,
     vocab_parallel_argmax,
     vocab_parallel_logprobs,
@@ -163,16 +162,22 @@ def _bits(res: RowLogprobs, argmax: torch.Tensor, peaks: torch.Tensor) -> torch.
     return torch.cat([t.flatten().view(torch.int32) for t in f] + [t.flatten().int() for t in i])
 
 
+# Each shard's part by the torch reference and by the Triton kernel's
+# partial mode (interpreted on the CPU).
+BACKENDS = ["torch"] + (["triton"] if HAS_TRITON else [])
+RUNS = [(backend, c) for backend in BACKENDS for c in CASES]
+
+
 def _run_all(group: RankGroup) -> list[Result]:
-    """Every case on this rank's shard, in order (the ranks' collectives pair up)."""
+    """Every run on this rank's shard, in order (the ranks' collectives pair up)."""
     out = []
-    for c in CASES:
+    for backend, c in RUNS:
         start, rows, real = vocab_shard(c.logits.shape[1], group)
         local = torch.full((c.logits.shape[0], rows), 1e4)  # padding would win if read
         local[:, :real] = c.logits[:, start : start + real]
         counting = _Counting(group)
         lp = vocab_parallel_logprobs(
-            local, start, real, c.token_ids, c.temps, c.top_k, c.gather_ids, counting
+            local, start, real, c.token_ids, c.temps, c.top_k, c.gather_ids, counting, backend
         )
         argmax, peaks = vocab_parallel_argmax(local, start, real, counting)
         mine = _bits(lp, argmax, peaks)
@@ -212,18 +217,18 @@ def _worker(addr: str) -> None:
     torch.set_num_threads(1)
     group = connect(1, SIZE, addr, torch.device("cpu"), timeout=60)
     failed = 0
-    for c, res in zip(CASES, _run_all(group)):
+    for (backend, c), res in zip(RUNS, _run_all(group)):
         try:
             _check(c, res)
         except AssertionError:
             failed += 1
-            print(f"rank 1, case {c.name}:\n{traceback.format_exc()}", file=sys.stderr)
+            print(f"rank 1, {backend} {c.name}:\n{traceback.format_exc()}", file=sys.stderr)
     sys.exit(1 if failed else 0)
 
 
 @pytest.fixture(scope="module")
-def ranks() -> tuple[dict[str, Result], int | None]:
-    """Rank 0's results by case name, and the worker's exit code."""
+def ranks() -> tuple[dict[tuple[str, str], Result], int | None]:
+    """Rank 0's results by (backend, case name), and the worker's exit code."""
     addr = free_addr()
     # The worker runs this file by path: under pytest's importlib mode the
     # module is named test.distributed..., which a fresh process resolves to
@@ -242,29 +247,16 @@ def ranks() -> tuple[dict[str, Result], int | None]:
         if proc.is_alive():
             proc.kill()
             proc.join()
-    return {c.name: res for c, res in zip(CASES, results)}, proc.exitcode
+    return {(b, c.name): res for (b, c), res in zip(RUNS, results)}, proc.exitcode
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_rank0_matches_one_device(ranks, case: Case) -> None:
-    _check(case, ranks[0][case.name])
+@pytest.mark.parametrize(("backend", "case"), RUNS, ids=[f"{b}-{c.name}" for b, c in RUNS])
+def test_rank0_matches_one_device(ranks, backend: str, case: Case) -> None:
+    _check(case, ranks[0][(backend, case.name)])
 
 
 def test_rank1_matches_one_device(ranks) -> None:
     assert ranks[1] == 0, "rank 1 failed a case (its stderr says which)"
-
-
-TOP_K_CASES = [c for c in CASES if c.top_k and c.logits.shape[0]]
-
-
-@pytest.mark.parametrize("case", TOP_K_CASES, ids=[c.name for c in TOP_K_CASES])
-def test_local_top_keys_agree(case: Case) -> None:
-    """The CPU's top-k-then-key and the GPU's key-then-top-k give the same
-    keys (ties, -0.0 and -inf included), on a shard at an offset."""
-    x = case.logits[:, 16:].masked_fill(case.logits[:, 16:].isnan(), -INF)
-    k = min(case.top_k, x.shape[1])
-    cpu = local_top_keys(x, 16, k, sync_free=False)
-    assert torch.equal(cpu, local_top_keys(x, 16, k, sync_free=True))
 
 
 def test_bytes() -> None:

@@ -325,7 +325,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.logit_index])
             return ForwardOutput(logits=logits, row_offsets=offsets, captured=cap)
         logits, argmax, scores = score_on_shards(
-            self.model.logits_head, hidden[inputs.logit_index], score
+            self.model.logits_head, hidden[inputs.logit_index], score, self.config.kernel_backend
         )
         return ForwardOutput(logits, offsets, cap, argmax, scores)
 

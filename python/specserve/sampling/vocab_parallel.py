@@ -22,14 +22,12 @@ exchange only those:
 - greedy argmax and row peaks: ONE all-reduce (max) of ``[R, 2]`` int64
   (each row's key, and whether the shard's row holds a NaN).
 
-A key packs (value, global id) so that one integer comparison orders by value
-descending, then id ascending: the high 32 bits are the float's bits remapped
-so that signed-int order is float order (-0.0 folded into +0.0), the low 32
-bits are ``ID_MAX - id``. A top-k or max of keys has no ties, so ties go to
-the lowest global id on any number of ranks, as on one device (the Triton
-kernel, and ``row_logprobs_ref``'s ``topk_lowest_id``).
-A shard's top-k is keyed after it is found on the CPU, before on a GPU
-(``local_top_keys``).
+A key (``kernels.logprob_partials.logit_keys``, the row-logprob kernel's)
+packs (value, global id) so that one integer comparison orders by value
+descending, then id ascending. A top-k or max of keys has no ties, so ties
+go to the lowest global id on any number of ranks, as on one device. Each
+shard's part (max, sum-exp, top keys) comes from ``row_partials``: the
+Triton kernel's partial mode on a GPU, its torch reference elsewhere.
 
 The contract is ``kernels.logprobs``'s: NaN logits count as -inf; a row with
 no possible token (all -inf, or holding +inf, where ``log_softmax`` is NaN)
@@ -49,59 +47,27 @@ from specserve.core import ARGMAX, ScoreRows
 from specserve.distributed import RankGroup
 from specserve.host import upload
 from specserve.kernels.chain_verify import greedy_argmax
-from specserve.kernels.logprobs import RowLogprobs, topk_lowest_id
+from specserve.kernels.logprob_partials import EMPTY_KEY, key_values, logit_keys, row_partials
+from specserve.kernels.logprobs import RowLogprobs
 from specserve.sampling.logprobs import clamped
 
 if TYPE_CHECKING:
     from specserve.layers.parallel import VocabParallelHead
 
-ID_MAX = 2**31 - 1
-EMPTY = -(2**63)  # below every real key, even -inf's: "no candidate"
 NEG_INF = float("-inf")
 STATS = 3  # m_r, s_r, the chosen token's logit
 
 
-def _keys(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """int64 keys of float32 ``x`` at global ``ids`` (broadcast): bigger key =
-    bigger value, or the same value at a lower id."""
-    bits = torch.where(x == 0, 0.0, x).view(torch.int32)  # -0.0 would sort below +0.0
-    hi = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # flips negatives' magnitude bits
-    return (hi.to(torch.int64) << 32) | (ID_MAX - ids)
-
-
-def _unkey(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 values, int64 global ids) of ``_keys``' keys (exact)."""
-    hi = (key >> 32).to(torch.int32)
-    return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).view(torch.float32), ID_MAX - (key & 0xFFFFFFFF)
-
-
 def _owned(x: torch.Tensor, ids: torch.Tensor, vocab_start: int) -> torch.Tensor:
-    """``x``'s values at global ``ids`` ([R, M]) this shard holds, -inf at the
+    """``x``'s values at global ``ids`` ([R, M], as float32) this shard holds, -inf at the
     others (padding -1 included): the max over the ranks is then exact."""
     real = x.shape[1]
     local = ids - vocab_start  # [R, M]
     own = (local >= 0) & (local < real)
     if real == 0:
         return torch.full(ids.shape, NEG_INF, dtype=torch.float32, device=x.device)
-    got = x.gather(1, local.clamp(0, real - 1))  # [R, M]
+    got = x.gather(1, local.clamp(0, real - 1)).float()  # [R, M]
     return got.masked_fill(~own, NEG_INF)
-
-
-def local_top_keys(
-    x: torch.Tensor, vocab_start: int, k: int, sync_free: bool | None = None
-) -> torch.Tensor:
-    """The keys of the shard's top ``k`` of ``x [R, Vr]`` (no NaN), ``[R, k]``
-    int64, ties to the lowest id. On the CPU through ``topk_lowest_id`` and
-    then keys for the k alone (a tenth of keying the whole shard: 8 vs 74 ms
-    at ``[64, 75968]``); on a GPU (``sync_free``) a top-k of the whole
-    shard's keys, which needs no read back."""
-    if sync_free is None:
-        sync_free = x.is_cuda  # topk_lowest_id reads back whether a row has ties
-    if sync_free:
-        ids = torch.arange(vocab_start, vocab_start + x.shape[1], device=x.device)  # [Vr]
-        return _keys(x, ids).topk(k, dim=1).values
-    values, ids = topk_lowest_id(x, k)  # [R, k], sorted, ties to the lowest id
-    return _keys(values, ids + vocab_start)
 
 
 def vocab_parallel_logprobs(
@@ -113,6 +79,7 @@ def vocab_parallel_logprobs(
     top_k: int,
     gather_ids: torch.Tensor | None,
     group: RankGroup,
+    backend: str = "auto",
 ) -> RowLogprobs:
     """``row_logprobs_ref`` of the full logits from this rank's shard, the
     same on every rank (values to float rounding; top ids exactly, ties to
@@ -126,24 +93,17 @@ def vocab_parallel_logprobs(
         gather_ids = torch.empty(r, 0, dtype=torch.int64, device=dev)
     m_ids = gather_ids.shape[1]
 
-    x = local_logits[:, :vocab_real].float()  # [R, Vr]: padding never read
-    x = x.masked_fill(x.isnan(), NEG_INF)  # the NaN contract
-    if temps is not None:
-        x = x / temps.float().unsqueeze(1)  # divide, as the reference does
+    # The shard's logsumexp as (max, sum of exp(x - max)) and its top keys,
+    # of the scaled logits (NaN as -inf); padding never read.
+    part = row_partials(local_logits[:, :vocab_real], temps, top_k, vocab_start, backend)
+    m_r, s_r, top = part.maxes, part.sums, part.top_keys  # [R], [R], [R, k]
 
-    # The shard's logsumexp as (max, sum of exp(x - max)); amax rejects 0 columns.
-    none = torch.full((r,), NEG_INF, dtype=torch.float32, device=dev)
-    m_r = x.amax(dim=1) if vocab_real > 0 else none  # [R]
-    m_shift = torch.where(m_r.isfinite(), m_r, 0.0)  # all -inf: exp(-inf - -inf) is NaN
-    s_r = torch.exp(x - m_shift.unsqueeze(1)).sum(dim=1)  # [R]; 0 for an all -inf shard
-
+    # The chosen and requested ids' scaled logits, as the reference has them.
     wanted = torch.cat([token_ids.long().unsqueeze(1), gather_ids.long()], 1)  # [R, 1 + M]
-    picked = _owned(x, wanted, vocab_start)  # [R, 1 + M]
-
-    k_here = min(top_k, vocab_real)
-    top = torch.full((r, top_k), EMPTY, dtype=torch.int64, device=dev)  # [R, k]
-    if k_here > 0:
-        top[:, :k_here] = local_top_keys(x, vocab_start, k_here)
+    picked = _owned(local_logits[:, :vocab_real], wanted, vocab_start)  # [R, 1 + M]
+    picked = picked.masked_fill(picked.isnan(), NEG_INF)  # the NaN contract
+    if temps is not None:
+        picked = picked / temps.float().unsqueeze(1)  # divide, as the reference does
 
     # [R, 3 + M + 2k] float32: m, s, token logit, requested logits, top keys.
     payload = torch.cat([m_r.unsqueeze(1), s_r.unsqueeze(1), picked, top.view(torch.float32)], 1)
@@ -171,7 +131,7 @@ def vocab_parallel_logprobs(
     if top_k > 0:
         keys = torch.stack([p[:, cut:] for p in parts], dim=1).view(torch.int64)
         best = keys.flatten(1).topk(top_k, dim=1).values  # [R, k], sorted descending
-    top_x, top_ids = _unkey(best)
+    top_x, top_ids = key_values(best)
     return RowLogprobs(picked[:, 0], logprob(top_x), top_ids, ids_logprobs)
 
 
@@ -186,22 +146,22 @@ def vocab_parallel_argmax(
     r, dev = local_logits.shape[0], local_logits.device
     out = torch.zeros(r, 2, dtype=torch.int64, device=dev)  # [R, (key, has NaN)]
     if vocab_real == 0:  # a shard of padding only (vocab < ranks)
-        out[:, 0] = EMPTY
+        out[:, 0] = EMPTY_KEY
     elif r:
         x = local_logits[:, :vocab_real]  # [R, Vr]
         idx = greedy_argmax(x).to(dev)  # [R] local; the shard's first best
         v = x.gather(1, idx.unsqueeze(1)).squeeze(1).float()  # [R]
         has_nan = x.amax(dim=1).isnan()  # amax keeps NaN (argmax skips it)
         # An all-NaN shard row picks its column 0, worth -inf.
-        out[:, 0] = _keys(v.masked_fill(v.isnan(), NEG_INF), idx + vocab_start)
+        out[:, 0] = logit_keys(v.masked_fill(v.isnan(), NEG_INF), idx + vocab_start)
         out[:, 1] = has_nan.long()
     out = group.all_reduce_max(out)
-    peaks, ids = _unkey(out[:, 0])
+    peaks, ids = key_values(out[:, 0])
     return ids, peaks.masked_fill(out[:, 1] > 0, float("nan"))
 
 
 def score_on_shards(
-    head: VocabParallelHead, hidden: torch.Tensor, score: ScoreRows | None
+    head: VocabParallelHead, hidden: torch.Tensor, score: ScoreRows | None, backend: str = "auto"
 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, RowLogprobs | None]:
     """``head``'s logits of ``hidden [R, d]`` on rank 0 (``[R, V]``; None on
     the others), but ``score``'s rows decided and scored here instead, from
@@ -232,7 +192,7 @@ def score_on_shards(
         ids = torch.tensor(score.ids, dtype=torch.int64).view(n, -1).to(dev)
         out = vocab_parallel_logprobs(
             local[rows], head.vocab_start, head.vocab_real, tokens,
-            None, score.top_k, ids, head.group,
+            None, score.top_k, ids, head.group, backend,
         )  # fmt: skip
         scores = clamped(out)
         keep[rows] = False
