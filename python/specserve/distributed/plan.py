@@ -8,9 +8,8 @@ rows, further tables, each table's length]`` and the entry's lists, then
 the rows the forward decides and scores on the shards (``ScoreRows``:
 ``[count, top-k, width, argmax count]``, rows, tokens, requested ids,
 argmax rows; a count of -1 for none). It goes out as one message of
-``INLINE`` values (a collective costs a few
-hundred microseconds over gloo on a loopback); a longer payload's rest
-follows in a second. Every plan carries the next step id; a rank that sees
+``INLINE`` values (a collective costs a few hundred microseconds over gloo
+on a loopback); a longer payload's rest follows in a second. Every plan carries the next step id; a rank that sees
 another one raises.
 """
 
