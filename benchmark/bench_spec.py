@@ -95,6 +95,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, ..."
     )
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="every engine (plain too) over this many tensor-parallel ranks",
+    )
     p.add_argument("--output-json", default=None)
     return p.parse_args()
 
@@ -132,6 +138,7 @@ def main() -> int:
     dflash = args.dflash_model_path or drafter
     max_bs = max(args.batch_sizes)
     common = dict(
+        tp_size=args.tp_size,
         dtype=args.dtype,
         max_running_requests=max_bs,
         max_total_tokens=max_bs * (args.input_len + args.output_len + 64),

@@ -222,6 +222,9 @@ class BatchEntry:
     page_table: list[int]  # pages covering prefix_len + len(token_ids)
     logit_rows: list[int]  # indices into token_ids whose logits are returned
     entry_tables: list[list[int]] = field(default_factory=list)  # further cache groups
+    # Pages of the drafter's KV covering the same positions, when every rank
+    # stores the fed tokens' draft context in the forward (tensor parallelism).
+    draft_pages: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -361,3 +361,35 @@ def test_greedy_rows_never_leave_the_shards(models) -> None:
         got = two.generate(**mixed)
     assert gathered == [1, 1, 1]  # the sampled request's row of each forward
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+
+
+def test_the_drafter_runs_on_the_shards() -> None:
+    """The demo's DSpark drafter (which drafts well) in the TP group: every
+    rank holds its heads and shares the target's split embedding and head;
+    greedy and seeded sampled drafts, and so every round's acceptance, are
+    one device's, and the output ids too. With a token map (its hot ids
+    split unevenly by the shards) as well."""
+    demo = "python/specserve/assets/demo/"
+    prompts = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "Once"]
+    params = [
+        {"temperature": 0, "max_new_tokens": 40},
+        {"temperature": 0.7, "seed": 3, "max_new_tokens": 40},
+        {"temperature": 0, "max_new_tokens": 40},
+        {"temperature": 1.0, "seed": 5, "max_new_tokens": 40},
+    ]
+    for extra in ({}, {"speculative_token_map": demo + "token_map.pt"}):
+        kw = dict(device="cpu", **_dspark(demo + "dspark"), **extra)
+        with Engine(model_path=demo + "target", tp_size=2, **kw) as two:
+            drafter, target = two.proposer.model, two.runner.model
+            assert two.proposer.shard is not None
+            assert drafter.lm_head is target.lm_head
+            assert drafter.embed_tokens is target.model.embed_tokens
+            full_q = drafter.config.num_attention_heads * drafter.config.head_dim
+            assert drafter.layers[0].self_attn.q_proj.weight.shape[0] == full_q // 2
+            got = two.generate(prompt=prompts, sampling_params=params)
+        with Engine(model_path=demo + "target", **kw) as one:
+            want = one.generate(prompt=prompts, sampling_params=params)
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+        accept = [o["meta_info"]["spec_accept_length"] for o in got]
+        assert accept == [o["meta_info"]["spec_accept_length"] for o in want]
+        assert sum(accept) / len(accept) > 2  # the drafts matter

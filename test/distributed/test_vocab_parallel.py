@@ -30,6 +30,7 @@ from specserve.sampling.metadata import row_peaks
 from specserve.sampling.vocab_parallel import (
     argmax_bytes,
     gather_bytes,
+    gather_columns,
     logprob_bytes,
     vocab_parallel_argmax,
     vocab_parallel_logprobs,
@@ -154,6 +155,16 @@ class Result:
     gathered: int  # bytes the logprobs moved
     reduced: int  # bytes the argmax moved
     same_bits: bool  # both ranks' results equal bit for bit
+    # A drafter's hot vocabulary (``hot_ids``), split unevenly by the shards:
+    # the argmax over its columns, and the columns gathered (rank 0; None else).
+    hot_argmax: torch.Tensor  # [R] global ids
+    hot_gathered: torch.Tensor | None  # [R, H]
+
+
+def hot_ids(v: int) -> torch.Tensor:
+    """Ids a token map might hold: more of them on rank 0's shard."""
+    i = torch.arange(v)
+    return i[(i % 3 == 0) | (i < v // 4)]
 
 
 def _bits(res: RowLogprobs, argmax: torch.Tensor, peaks: torch.Tensor) -> torch.Tensor:
@@ -182,8 +193,23 @@ def _run_all(group: RankGroup) -> list[Result]:
         argmax, peaks = vocab_parallel_argmax(local, start, real, counting)
         mine = _bits(lp, argmax, peaks)
         same = all(torch.equal(mine, other) for other in group.all_gather(mine))
-        out.append(Result(lp, argmax, peaks, counting.gathered, counting.reduced, same))
+        hot = hot_ids(c.logits.shape[1])
+        counts = [int(((hot >= s) & (hot < s + n)).sum()) for s, _, n in shards(c, group)]
+        cols = hot[(hot >= start) & (hot < start + real)]
+        hot_local = c.logits[:, cols]  # [R, this rank's hot count]
+        hot_argmax, _ = vocab_parallel_argmax(hot_local, start, real, group, cols)
+        gathered = gather_columns(hot_local, counts, group)
+        out.append(
+            Result(
+                lp, argmax, peaks, counting.gathered, counting.reduced, same, hot_argmax, gathered
+            )
+        )
     return out
+
+
+def shards(c: Case, group: RankGroup) -> list[tuple[int, int, int]]:
+    """Every rank's ``vocab_shard`` of the case's vocabulary."""
+    return [vocab_shard(c.logits.shape[1], RankGroup(r, group.size)) for r in range(group.size)]
 
 
 def _check(c: Case, res: Result) -> None:
@@ -207,6 +233,12 @@ def _check(c: Case, res: Result) -> None:
     # NaN exactly where the row holds one; else the row's max (+inf, -inf too).
     torch.testing.assert_close(res.peaks, row_peaks(c.logits), rtol=0, atol=0, equal_nan=True)
     assert res.same_bits, "the ranks' results differ"
+    hot = hot_ids(v)
+    assert torch.equal(res.hot_argmax, hot[greedy_argmax(c.logits[:, hot])])
+    if res.hot_gathered is not None:
+        torch.testing.assert_close(
+            res.hot_gathered, c.logits[:, hot], rtol=0, atol=0, equal_nan=True
+        )
     m = 0 if c.gather_ids is None else c.gather_ids.shape[1]
     assert res.gathered == logprob_bytes(r, c.top_k, m, SIZE)
     assert res.reduced == argmax_bytes(r, SIZE)

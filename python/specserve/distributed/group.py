@@ -92,6 +92,16 @@ class RankGroup:
         self._wait(self.device_pg.gather(out, [x.contiguous()], opts), "gather")
         return out[0] if self.is_first else None
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` into every rank's ``x`` (same shape), in place."""
+        if self.size == 1:
+            return x
+        assert self.device_pg is not None
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._wait(self.device_pg.broadcast([x], opts), "broadcast")
+        return x
+
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's ``value`` (sizes each rank computed
         from its own memory, e.g. KV pages), the same on every rank."""

@@ -144,6 +144,7 @@ class EngineCore:
             capture_layer_ids=proposer.capture_layer_ids if proposer else (),
             entry_pools=self.entry_pools,
             retain=groups[0].retain,
+            context_pages=proposer.context_pages if proposer else None,
         )
         self.spec = (
             SpecDecoder(proposer, self.scheduler, config.kernel_backend) if proposer else None

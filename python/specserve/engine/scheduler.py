@@ -35,6 +35,7 @@ class Scheduler:
         capture_layer_ids: tuple[int, ...] = (),
         entry_pools: Sequence[tuple[BlockPool, int]] = (),
         retain: int | None = None,
+        context_pages: Callable[[Req, int], list[int]] | None = None,
     ) -> None:
         self.config = config
         self.block_pool = block_pool
@@ -45,6 +46,9 @@ class Scheduler:
         self.lookahead = lookahead
         self.on_release = on_release  # drops per-request state kept elsewhere (drafts)
         self.capture_layer_ids = capture_layer_ids  # target layers every forward captures
+        # A drafter's pages for a request's positions [0, end), whose context
+        # K/V the forward stores (``Proposer.context_pages``).
+        self.context_pages = context_pages
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
@@ -208,14 +212,34 @@ class Scheduler:
                 drafts, q = req.spec_token_ids, req.spec_draft_q
                 req.set_drafts([])
                 chain = list(range(1 + len(drafts)))
+                fed = tokens + drafts
                 entries.append(
-                    BatchEntry(tokens + drafts, start, req.page_table, chain, req.entry_tables)
+                    BatchEntry(
+                        fed,
+                        start,
+                        req.page_table,
+                        chain,
+                        req.entry_tables,
+                        self._draft_pages(req, start + len(fed)),
+                    )  # fmt: skip
                 )
                 steps.append(ReqStep(req, q_lo, 0, True, drafts, q, verify=True, decoding=True))
                 continue
-            entries.append(BatchEntry(tokens, start, req.page_table, rows, req.entry_tables))
+            entries.append(
+                BatchEntry(
+                    tokens,
+                    start,
+                    req.page_table,
+                    rows,
+                    req.entry_tables,
+                    self._draft_pages(req, end),
+                )  # fmt: skip
+            )
             steps.append(ReqStep(req, q_lo, num_in, sample, decoding=decoding))
         return ScheduledBatch(entries, steps, self.capture_layer_ids)
+
+    def _draft_pages(self, req: Req, end: int) -> list[int]:
+        return [] if self.context_pages is None else self.context_pages(req, end)
 
     def reap_finished(self) -> list[Req]:
         """Drops finished requests from the running set and frees their pages."""

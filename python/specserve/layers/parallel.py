@@ -61,9 +61,9 @@ class HeadSplit:
 
 
 class ColumnParallelLinear(Linear):
-    """``y = x W^T`` with ``W``'s output features split over the ranks
-    (contiguous ``length`` rows from ``start``; by default an even split):
-    each rank computes its slice of ``y``, no collective."""
+    """``y = x W^T + b`` with ``W``'s output features (and ``b``) split over
+    the ranks (contiguous ``length`` rows from ``start``; by default an even
+    split): each rank computes its slice of ``y``, no collective."""
 
     def __init__(
         self,
@@ -72,14 +72,15 @@ class ColumnParallelLinear(Linear):
         group: RankGroup,
         what: str,
         rows: tuple[int, int] | None = None,
+        bias: bool = False,
     ) -> None:
         start, count = rows or split(out_features, group, what)
-        super().__init__(in_features, count, bias=False)
+        super().__init__(in_features, count, bias=bias)
         self.group = group
         self.shard = Shard(0, start, count, out_features)
 
     def checkpoint_part(self, attr: str) -> tuple[torch.Tensor, Shard | None]:
-        return self.weight.data, self.shard if self.group.size > 1 else None
+        return getattr(self, attr).data, self.shard if self.group.size > 1 else None
 
 
 class RowParallelLinear(Linear):
@@ -168,6 +169,19 @@ class VocabParallelEmbedding(VocabRows, nn.Embedding):
         out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
         out = out * held.unsqueeze(-1).to(out.dtype)
         return self.group.all_reduce(out)
+
+
+class VocabParallelLinear(VocabRows, nn.Linear):
+    """A linear whose output features are the vocabulary, split over the
+    ranks as ``VocabParallelHead``'s (the DSpark Markov head's ``W2``): each
+    rank computes its ids' columns, no collective."""
+
+    def __init__(self, in_features: int, vocab_size: int, group: RankGroup) -> None:
+        nn.Linear.__init__(self, in_features, self.split_vocab(vocab_size, group), bias=False)
+        self.group = group
+
+    def post_load(self) -> None:
+        self.zero_padding()
 
 
 class VocabParallelHead(VocabRows, LogitsHead):

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -36,6 +37,18 @@ from specserve.runner.input_builder import build_inputs
 from specserve.sampling.vocab_parallel import score_on_shards
 
 logger = logging.getLogger(__name__)
+
+
+class DraftContext(Protocol):
+    """A drafter whose context K/V every rank stores in the target's forward
+    (``speculative.draft_shard.DraftShard``)."""
+
+    def store_context(
+        self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> None: ...
+
+    def serve(self, values: list[int]) -> None:
+        """A worker: runs a drafter plan of rank 0's."""
 
 
 @dataclass
@@ -98,6 +111,8 @@ class ModelRunner:
         self.page_size = config.cache.page_size
         self.cache_groups: tuple[CacheGroup, ...] = cache_groups(self.model_config)
         self.graphs: CudaGraphRunner | None = None  # set by capture_graphs
+        # A drafter in the group (set by the proposer, or a worker's start-up).
+        self.draft_shard: DraftContext | None = None
         if allocate_kv:
             self.allocate_kv(extra_kv_bytes_per_page)
 
@@ -304,7 +319,11 @@ class ModelRunner:
     def serve_plans(self) -> None:
         """A worker rank: runs rank 0's forwards until it stops."""
         while (plan := self.plans.recv()) is not None:
-            self._forward(*plan)
+            if isinstance(plan, list):  # a drafter block's plan
+                assert self.draft_shard is not None, "a draft plan for a rank without a drafter"
+                self.draft_shard.serve(plan)
+            else:
+                self._forward(*plan)
 
     @torch.inference_mode()
     def _forward(self, batch: ScheduledBatch, score: ScoreRows | None = None) -> ForwardOutput:
@@ -319,8 +338,13 @@ class ModelRunner:
         hidden, captured = self.model(
             inputs.input_ids, inputs.meta, self.attn_backend, batch.capture_layer_ids
         )
-        # Only rank 0's proposer reads the captured layers.
-        cap = torch.cat(captured, dim=-1) if captured and self.group.is_first else None
+        cap = torch.cat(captured, dim=-1) if captured else None  # [T, m * d]
+        if inputs.draft_context is not None:
+            assert cap is not None and self.draft_shard is not None
+            rows, positions, slots = inputs.draft_context
+            self.draft_shard.store_context(cap[rows], positions, slots)
+        if not self.group.is_first:
+            cap = None  # only rank 0's proposer reads the captured layers
         if self.group.size == 1:
             logits = self.model.compute_logits(hidden[inputs.logit_index])
             return ForwardOutput(logits=logits, row_offsets=offsets, captured=cap)

@@ -14,6 +14,7 @@ import torch
 from specserve.config import EngineConfig
 from specserve.distributed.group import RankGroup, connect
 from specserve.distributed.launcher import WorkerRanks, exit_with_parent, free_addr
+from specserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +30,6 @@ def run_worker(rank: int, size: int, addr: str, config: EngineConfig, log_level:
     # The ranks on this machine share its cores.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.ranks_per_node))
     try:
-        from specserve.runner.model_runner import ModelRunner
-
         device = torch.device(config.device)
         if device.type == "cuda":  # the rank-th of this node's devices from rank 0's
             device = torch.device(
@@ -40,7 +39,7 @@ def run_worker(rank: int, size: int, addr: str, config: EngineConfig, log_level:
             config = dataclasses.replace(config, device=str(device))
         group = connect(rank, size, addr, device, config.parallel.dist_timeout)
         runner = ModelRunner(config, group=group, allocate_kv=False)
-        runner.allocate_kv()
+        join_drafter(config, runner)
         logger.info("rank %d of %d: serving its shard", rank, size)
         runner.serve_plans()
     except BaseException:
@@ -50,6 +49,21 @@ def run_worker(rank: int, size: int, addr: str, config: EngineConfig, log_level:
     # Gloo's threads may still hold the groups: leave without tearing them down.
     sys.stdout.flush()
     os._exit(0)
+
+
+def join_drafter(config: EngineConfig, runner: ModelRunner) -> None:
+    """Sizes a worker's KV pools: with a DSpark / DFlash drafter in the group
+    (not DeepSeek-V4's, which runs on rank 0), its shard loads first, as on
+    rank 0, and its pool is counted and made."""
+    if config.spec.algorithm not in ("DSPARK", "DFLASH") or runner.model_config.deepseek_v4:
+        runner.allocate_kv()
+        return
+    from specserve.speculative.draft_shard import attach_draft_shard
+    from specserve.speculative.drafter_loader import draft_kv_pool, load_drafter
+
+    loaded = load_drafter(config, runner)
+    runner.allocate_kv(loaded.kv_bytes_per_page, loaded.activation_bytes)
+    attach_draft_shard(config, runner, loaded, draft_kv_pool(config, runner, loaded))
 
 
 def start_workers(config: EngineConfig) -> tuple[RankGroup, WorkerRanks]:

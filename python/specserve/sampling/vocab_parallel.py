@@ -136,15 +136,23 @@ def vocab_parallel_logprobs(
 
 
 def vocab_parallel_argmax(
-    local_logits: torch.Tensor, vocab_start: int, vocab_real: int, group: RankGroup
+    local_logits: torch.Tensor,
+    vocab_start: int,
+    vocab_real: int,
+    group: RankGroup,
+    column_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(greedy_argmax, row_peaks)`` of the full logits from this rank's
     shard: ``[R]`` int64 global ids (ties to the lowest id, NaN never chosen,
     an all NaN / -inf row gives 0) and ``[R]`` float32 row maxima (NaN where
     the row holds a NaN), in ONE all-reduce (max) of ``[R, 2]`` int64: each
-    row's key and whether the shard's row holds a NaN."""
+    row's key and whether the shard's row holds a NaN. ``column_ids``: the
+    ids of the shard's columns (``[Vr]``, ascending: a drafter's slice of its
+    hot vocabulary) instead of ``vocab_start ..``."""
     r, dev = local_logits.shape[0], local_logits.device
     out = torch.zeros(r, 2, dtype=torch.int64, device=dev)  # [R, (key, has NaN)]
+    if column_ids is not None:
+        vocab_real = column_ids.numel()
     if vocab_real == 0:  # a shard of padding only (vocab < ranks)
         out[:, 0] = EMPTY_KEY
     elif r:
@@ -152,12 +160,26 @@ def vocab_parallel_argmax(
         idx = greedy_argmax(x).to(dev)  # [R] local; the shard's first best
         v = x.gather(1, idx.unsqueeze(1)).squeeze(1).float()  # [R]
         has_nan = x.amax(dim=1).isnan()  # amax keeps NaN (argmax skips it)
+        ids = idx + vocab_start if column_ids is None else column_ids[idx]
         # An all-NaN shard row picks its column 0, worth -inf.
-        out[:, 0] = logit_keys(v.masked_fill(v.isnan(), NEG_INF), idx + vocab_start)
+        out[:, 0] = logit_keys(v.masked_fill(v.isnan(), NEG_INF), ids)
         out[:, 1] = has_nan.long()
     out = group.all_reduce_max(out)
     peaks, ids = key_values(out[:, 0])
     return ids, peaks.masked_fill(out[:, 1] > 0, float("nan"))
+
+
+def gather_columns(local: torch.Tensor, counts: list[int], group: RankGroup) -> torch.Tensor | None:
+    """The rows ``local [R, C]`` of every rank's columns side by side on rank
+    0, ``[R, sum(counts)]`` (None elsewhere): rank r holds ``counts[r]`` real
+    columns (uneven slices pad to the widest for the gather)."""
+    width = max(counts)
+    pad = local.new_full((local.shape[0], width), NEG_INF)
+    pad[:, : counts[group.rank]] = local[:, : counts[group.rank]]
+    parts = group.gather_to_first(pad)
+    if parts is None:
+        return None
+    return torch.cat([p[:, :c] for p, c in zip(parts, counts)], dim=1)
 
 
 def score_on_shards(

@@ -9,7 +9,7 @@ from) and keeps whatever per-request state it needs in ``Req.draft_state``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,6 +39,10 @@ class Proposer(ABC):
     capture_layer_ids: tuple[int, ...] = ()
     # Most drafts per round (the verify chain is one longer).
     max_drafts: int = 0
+    # A drafter whose context K/V the target's forwards store (every rank of
+    # a tensor-parallel group): the request's draft pages for its positions
+    # [0, end), allocated as needed, for each entry the scheduler builds.
+    context_pages: Callable[[Req, int], list[int]] | None = None
 
     @abstractmethod
     def propose(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> DraftProposal:

@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.distributed import SINGLE, RankGroup
 from specserve.kernels.chain_verify import row_argmax
 from specserve.layers.linear import LogitsHead, k_major_
+from specserve.layers.parallel import VocabParallelHead, VocabParallelLinear
 from specserve.sampling.sampler import exponential_race
 
 
@@ -26,24 +28,26 @@ class HeadConfig(Protocol):
 
 
 class MarkovHead(nn.Module):
-    """The bigram-style correction ``B_k(x_{k-1})`` added to slot k's logits."""
+    """The bigram-style correction ``B_k(x_{k-1})`` added to slot k's logits.
+    Under tensor parallelism ``W2`` is split by vocabulary like the logits it
+    corrects; ``W1`` and the gates are whole on every rank."""
 
-    def __init__(self, cfg: HeadConfig) -> None:
+    def __init__(self, cfg: HeadConfig, group: RankGroup = SINGLE) -> None:
         super().__init__()
         r, d = cfg.markov_rank, cfg.hidden_size
         self.kind = cfg.markov_head_type
         self.rank = r
         self.markov_w1 = nn.Embedding(cfg.vocab_size, r)
-        self.markov_w2 = nn.Linear(r, cfg.vocab_size, bias=False)
+        self.markov_w2 = VocabParallelLinear(r, cfg.vocab_size, group)
         self.hot_w2: torch.Tensor | None = None  # [H, r]: W2's rows of a hot vocabulary
         if self.kind == "gated":
             self.gate_proj = nn.Linear(d + r, r)
         elif self.kind == "rnn":
             self.joint_proj = nn.Linear(2 * r + d, 3 * r)
 
-    def restrict(self, ids: torch.Tensor) -> None:
-        """Corrections for the tokens ``ids [H]`` only (see ``BlockDrafter.restrict_vocab``)."""
-        self.hot_w2 = self.markov_w2.weight.detach()[ids]
+    def restrict(self, rows: torch.Tensor) -> None:
+        """Corrections for ``W2``'s ``rows [H]`` only (see ``BlockDrafter.restrict_vocab``)."""
+        self.hot_w2 = self.markov_w2.weight.detach()[rows]
         k_major_(self.hot_w2)
 
     def init_state(self, n: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -97,10 +101,14 @@ class BlockDrafter(nn.Module):
     window: int | None = None
     # The tokens drafts come from, ascending ([H]; None: the whole vocabulary).
     hot_ids: torch.Tensor | None = None
+    # Under tensor parallelism: the ids of this rank's logit columns
+    # ([C], ascending; its slice of the hot vocabulary), None without one.
+    shard_hot_ids: torch.Tensor | None = None
 
     @property
     def vocab_head(self) -> LogitsHead:
-        """The full vocabulary projection (the target's, shared)."""
+        """The full vocabulary projection (the target's, shared; this rank's
+        slice of it under tensor parallelism)."""
         raise NotImplementedError
 
     def restrict_vocab(self, ids: torch.Tensor) -> None:
@@ -108,15 +116,21 @@ class BlockDrafter(nn.Module):
         FR-Spec): the block's logits, Markov corrections and argmaxes cover
         ``H`` tokens instead of the vocabulary. Only which drafts are proposed
         changes: their distributions are zero off ``ids``, and verification
-        against the target stays exact."""
+        against the target stays exact. Under tensor parallelism each rank
+        keeps the hot ids of its vocabulary slice."""
         full = self.vocab_head
+        rows, start = ids, getattr(full, "vocab_start", 0)
+        if isinstance(full, VocabParallelHead) and full.group.size > 1:
+            mine = (ids >= start) & (ids < start + full.vocab_real)
+            self.shard_hot_ids = ids[mine]
+            rows = self.shard_hot_ids - start
         with torch.device("meta"):
-            head = LogitsHead(full.in_features, ids.numel())
-        head.weight = nn.Parameter(full.weight.detach()[ids], requires_grad=False)
+            head = LogitsHead(full.in_features, rows.numel())
+        head.weight = nn.Parameter(full.weight.detach()[rows], requires_grad=False)
         head.post_load()
         self.hot_head = head
         if self.markov_head is not None:
-            self.markov_head.restrict(ids)
+            self.markov_head.restrict(rows)
         self.hot_ids = ids
 
     def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:

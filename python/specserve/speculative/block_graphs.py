@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.cache.kv_pool import KVPool
+from specserve.host import upload
 from specserve.layers.attention import AttentionMetadata, TritonAttentionBackend
 from specserve.runner.cuda_graph_runner import Capture, Forward, StaticTables
 from specserve.speculative.dspark_model import Attend, ContextRows, DSparkDraftModel
@@ -38,6 +39,43 @@ def paged_attend(backend, meta: AttentionMetadata) -> Attend:
         return o.view(q.shape)
 
     return attend
+
+
+def eager_block(
+    model: DSparkDraftModel,
+    backend,
+    kv_pool: KVPool,
+    x: BlockInputs,
+    anchors: torch.Tensor,  # [R]
+    block_size: int,
+    page_size: int,
+) -> torch.Tensor:
+    """The blocks' outputs ``[R, G, d]``, run op by op: a non-causal paged
+    batch over the draft pool, ``x``'s pending context rows' K/V computed
+    and stored on the way (none under tensor parallelism: the target's
+    forwards store them)."""
+    g, device = block_size, anchors.device
+    context = None
+    if x.context_positions:
+        slots = upload(x.context_slots, device)
+
+        def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            kv_pool.store(layer, slots, k, v)
+
+        hidden = model.context_hidden(x.features)
+        context = ContextRows(hidden, upload(x.context_positions, device), store)
+    meta = AttentionMetadata(
+        positions=upload([p + j for p in x.starts for j in range(g)], device),
+        slot_mapping=upload([s for row in x.block_slots for s in row], device),
+        q_lens=[g] * len(x.starts),
+        kv_lens=[p + g for p in x.starts],
+        page_tables=x.page_tables,
+        page_size=page_size,
+        causal=False,
+    )
+    backend.prepare(meta)
+    starts = upload(x.starts, device)
+    return model.block_hidden(anchors, starts, paged_attend(backend, meta), g, context)
 
 
 @dataclass

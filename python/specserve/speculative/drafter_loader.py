@@ -13,10 +13,10 @@ import torch
 
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig
+from specserve.layers.parallel import HeadSplit
 from specserve.models.deepseek_v4 import pack_weights
 from specserve.models.loader import (
     checkpoint_files,
-    checkpoint_targets,
     keep_fp32_,
     load_state,
     materialize,
@@ -61,8 +61,8 @@ def load_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
     if spec.token_map:
         model.restrict_vocab(load_token_map(spec.token_map, dcfg.vocab_size, runner.device))
     page = KVPool.bytes_per_page(
-        dcfg.num_hidden_layers, runner.page_size, dcfg.num_key_value_heads, dcfg.head_dim,
-        runner.dtype,
+        dcfg.num_hidden_layers, runner.page_size, draft_heads(dcfg, runner).kv_count,
+        dcfg.head_dim, runner.dtype,
     )  # fmt: skip
     return LoadedDrafter(
         model, dcfg, block, page, _activation_bytes(config, dcfg, block, runner, page)
@@ -128,24 +128,17 @@ def load_draft_model(
             use_markov=use_heads,
             use_confidence=use_heads,
             context_length=runner.context_length,
+            group=runner.group,
         )
     model = materialize(model, runner.dtype, runner.device)
     target = runner.model
     skip: set[str] = set()
-    if runner.group.size > 1:
-        # The target's are split over the ranks; the drafter runs on rank 0
-        # alone, with whole copies of them read from the target checkpoint.
-        targets = checkpoint_targets(model)
-        dests = {
-            "embed_tokens.weight": ("embed", targets["embed_tokens.weight"]),
-            "lm_head.weight": ("head", targets["lm_head.weight"]),
-        }
-        skip |= load_target_vocab(runner, dests, "model.embed_tokens.weight", "lm_head.weight")
-    # The drafter's embedding and lm_head are copies of the target's: share them.
-    elif model.embed_tokens.weight.shape == target.model.embed_tokens.weight.shape:
+    # The drafter's embedding and lm_head are copies of the target's: share
+    # them (under tensor parallelism, this rank's slices of them).
+    if model.embed_tokens.weight.shape == target.model.embed_tokens.weight.shape:
         model.embed_tokens = target.model.embed_tokens
         skip.add("embed_tokens.weight")
-    if runner.group.size == 1 and model.lm_head.weight.shape == target.lm_head.weight.shape:
+    if model.lm_head.weight.shape == target.lm_head.weight.shape:
         model.lm_head = target.lm_head
         skip.add("lm_head.weight")
     load_state(
@@ -153,6 +146,37 @@ def load_draft_model(
     )
     model.post_load()
     return model.requires_grad_(False).eval()
+
+
+def draft_heads(dcfg: DSparkConfig, runner: ModelRunner) -> HeadSplit:
+    """The drafter's attention heads on ``runner``'s rank (all at one rank)."""
+    return HeadSplit.of(dcfg.num_attention_heads, dcfg.num_key_value_heads, runner.group)
+
+
+def draft_kv_pool(config: EngineConfig, runner: ModelRunner, loaded: LoadedDrafter) -> KVPool:
+    """The drafter's KV pool on ``runner``'s rank: the target's pages plus
+    every running request's block (``scratch_pages``; a windowed drafter's
+    windows too), and one page past its allocator's, where a captured
+    block's padding writes. ``pool_pages`` is the allocator's share."""
+    dcfg = loaded.config
+    pages = pool_pages(config, runner, loaded)
+    if isinstance(dcfg, DSparkV4Config):
+        layers, kv_heads, head_dim = dcfg.num_stages, 1, runner.model_config.head_dim
+    else:
+        layers, head_dim = dcfg.num_hidden_layers, dcfg.head_dim
+        kv_heads = draft_heads(dcfg, runner).kv_count
+    return KVPool(
+        layers, pages + 1, runner.page_size, kv_heads, head_dim, runner.dtype, runner.device
+    )
+
+
+def pool_pages(config: EngineConfig, runner: ModelRunner, loaded: LoadedDrafter) -> int:
+    """The pages the drafter's KV allocator hands out (see ``draft_kv_pool``)."""
+    pages = runner.num_pages + scratch_pages(config, loaded.block_size)
+    if isinstance(loaded.config, DSparkV4Config):
+        # Every running request's window, beside the target's window pages.
+        pages += scratch_pages(config, loaded.model.window)
+    return pages
 
 
 def load_target_vocab(

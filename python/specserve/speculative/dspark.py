@@ -31,20 +31,25 @@ from specserve.cache.block_pool import BlockPool, page_slots, release_behind
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig
 from specserve.core import Req
+from specserve.distributed import DistributedError
 from specserve.host import HostStaging, upload
 from specserve.layers.attention import (
-    AttentionMetadata,
     TritonAttentionBackend,
     make_attention_backend,
 )
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.base import DraftProposal, Proposer
 from specserve.speculative.block_drafter import BlockDrafter
-from specserve.speculative.block_graphs import BlockInputs, DraftBlockGraphs, paged_attend
+from specserve.speculative.block_graphs import BlockInputs, DraftBlockGraphs, eager_block
 from specserve.speculative.confidence import SpsTable, budget_lengths, profile_sps, static_lengths
-from specserve.speculative.drafter_loader import LoadedDrafter, load_drafter, scratch_pages
-from specserve.speculative.dspark_model import Attend, ContextRows
-from specserve.speculative.dspark_v4_model import DSparkV4Config
+from specserve.speculative.draft_shard import DraftPlan, DraftShard, Drawing, attach_draft_shard
+from specserve.speculative.drafter_loader import (
+    LoadedDrafter,
+    draft_kv_pool,
+    load_drafter,
+    pool_pages,
+)
+from specserve.speculative.dspark_model import Attend, DSparkConfig
 
 logger = logging.getLogger(__name__)
 
@@ -71,17 +76,23 @@ class DSparkProposer(Proposer):
         sps: SpsTable | None = None,
         seed: int = 0,
         attention_backend: str | None = None,
+        shard: DraftShard | None = None,
     ) -> None:
+        """``shard``: the drafter runs in a tensor-parallel group (rank 0's
+        part of it; its target forwards store the draft context)."""
         self.model = model
         self.max_drafts = block_size
         self.capture_layer_ids = model.config.target_layer_ids
         self.kv_pool = kv_pool
         self.block_pool = block_pool
         device = model.feature_weight.device
-        self.attn_backend = None
-        if model.window is None:  # a windowed drafter attends on its own (window_attend)
+        self.shard = shard
+        self.attn_backend = shard.backend if shard is not None else None
+        if model.window is None and shard is None:  # a windowed drafter attends on its own
             heads = model.config.num_attention_heads
             self.attn_backend = make_attention_backend(attention_backend, kv_pool, heads, device)
+        if shard is not None:
+            self.context_pages = self._context_pages
         self.threshold = threshold
         self.sps = sps  # budget mode when set
         self.generator = torch.Generator(device=device)
@@ -102,22 +113,8 @@ class DSparkProposer(Proposer):
         spec = config.spec
         loaded = loaded or load_drafter(config, runner)
         model, dcfg, block = loaded.model, loaded.config, loaded.block_size
-        pages = runner.num_pages + scratch_pages(config, block)
-        if isinstance(dcfg, DSparkV4Config):
-            # Every running request's window, beside the target's window pages.
-            pages += scratch_pages(config, model.window)
-            layers, kv_heads, head_dim = dcfg.num_stages, 1, runner.model_config.head_dim
-        else:
-            layers, kv_heads, head_dim = (
-                dcfg.num_hidden_layers,
-                dcfg.num_key_value_heads,
-                dcfg.head_dim,
-            )
-        # One page past the allocator's: a captured block's padding writes there.
-        kv = KVPool(
-            layers, pages + 1, runner.page_size, kv_heads, head_dim, runner.dtype, runner.device
-        )
-        blocks = BlockPool(pages, runner.page_size)
+        kv = draft_kv_pool(config, runner, loaded)
+        blocks = BlockPool(pool_pages(config, runner, loaded), runner.page_size)
         sps, profile = None, False
         if spec.schedule == "budget" and not model.use_confidence:
             logger.warning("budget scheduling needs a confidence head; verifying whole blocks")
@@ -127,9 +124,12 @@ class DSparkProposer(Proposer):
                 sps = SpsTable.load(path)
             else:
                 profile = True
+        shard = None
+        if runner.group.size > 1 and isinstance(dcfg, DSparkConfig):
+            shard = attach_draft_shard(config, runner, loaded, kv)
         proposer = cls(
             model, block, kv, blocks, spec.confidence_threshold, sps, config.random_seed,
-            config.attention_backend,
+            config.attention_backend, shard,
         )  # fmt: skip
         if profile:
             # Timed over the forwards that will run: the engine calls ``profile``
@@ -168,7 +168,18 @@ class DSparkProposer(Proposer):
 
     # ---- state -------------------------------------------------------------------
 
+    def _context_pages(self, req: Req, end: int) -> list[int]:
+        """The draft pages of ``req``'s positions ``[0, end)`` (covered now),
+        where every rank's target forward stores their context K/V."""
+        st = req.draft_state
+        if st is None:
+            st = req.draft_state = DSparkState()
+        self._cover(st, end)
+        return st.pages
+
     def on_target_features(self, req: Req, start: int, features: torch.Tensor) -> None:
+        if self.shard is not None:
+            return  # their K/V are in the pool already (``_context_pages``)
         st = req.draft_state
         if st is None:
             st = req.draft_state = DSparkState()
@@ -270,33 +281,6 @@ class DSparkProposer(Proposer):
         x.features = torch.cat(feats).to(w.dtype) if feats else w.new_zeros(0, w.shape[1])
         return x
 
-    def _eager_block(self, x: BlockInputs, anchors: torch.Tensor) -> torch.Tensor:
-        """The blocks' outputs ``[R, G, d]``, run op by op: a non-causal paged
-        batch over the draft pool, the pending rows' K/V computed on the way."""
-        g, device = self.max_drafts, self.model.feature_weight.device
-        context = None
-        if x.context_positions:
-            slots = upload(x.context_slots, device)
-
-            def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-                self.kv_pool.store(layer, slots, k, v)
-
-            hidden = self.model.context_hidden(x.features)
-            context = ContextRows(hidden, upload(x.context_positions, device), store)
-        meta = AttentionMetadata(
-            positions=upload([p + j for p in x.starts for j in range(g)], device),
-            slot_mapping=upload([s for row in x.block_slots for s in row], device),
-            q_lens=[g] * len(x.starts),
-            kv_lens=[p + g for p in x.starts],
-            page_tables=x.page_tables,
-            page_size=self.block_pool.page_size,
-            causal=False,
-        )
-        self.attn_backend.prepare(meta)
-        attend = paged_attend(self.attn_backend, meta)
-        starts = upload(x.starts, device)
-        return self.model.block_hidden(anchors, starts, attend, g, context)
-
     def _window_attend(self, reqs: Sequence[Req]) -> Attend:
         """Each block over the last ``window`` context positions before its
         anchor, gathered from the draft pool (padding masked)."""
@@ -320,6 +304,8 @@ class DSparkProposer(Proposer):
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> DraftProposal:
         device = self.model.feature_weight.device
+        if self.shard is not None:
+            return self._propose_on_shards(reqs, max_lens)
         if self.model.window is not None:
             self._flush(reqs)
             anchors = torch.tensor([r.output_ids[-1] for r in reqs], device=device)
@@ -342,7 +328,10 @@ class DSparkProposer(Proposer):
             if self.graphs is not None and self.graphs.takes(len(reqs), x.context_rows):
                 hidden = self.graphs.run(x)
             else:
-                hidden = self._eager_block(x, anchors)
+                hidden = eager_block(
+                    self.model, self.attn_backend, self.kv_pool, x, anchors, self.max_drafts,
+                    self.block_pool.page_size,
+                )  # fmt: skip
         self._settle(reqs)
         temps = torch.tensor(
             [r.sampling.temperature if not r.sampling.greedy else 0.0 for r in reqs], device=device
@@ -358,6 +347,48 @@ class DSparkProposer(Proposer):
             needed,
             greedy_rows=[r.sampling.greedy for r in reqs],
         )
+        return self._proposal(reqs, max_lens, tokens, probs, conf)
+
+    def _propose_on_shards(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> DraftProposal:
+        """The blocks run by every rank of the group (``DraftShard``): the
+        draft context is in the pool, stored by the target's forwards."""
+        assert self.shard is not None
+        g = self.max_drafts
+        for r in reqs:
+            st = r.draft_state
+            assert st is not None, "the target's forwards cover every draft context"
+            st.ctx_len = r.seq_len - 1
+            self._cover(st, st.ctx_len + g)
+        plan = DraftPlan(
+            anchors=[r.output_ids[-1] for r in reqs],
+            starts=[r.draft_state.ctx_len for r in reqs],
+            greedy=[r.sampling.greedy for r in reqs],
+            page_tables=[r.draft_state.pages for r in reqs],
+        )
+        temps = [r.sampling.temperature if not r.sampling.greedy else 0.0 for r in reqs]
+        drawing = Drawing(
+            upload(temps, self.model.feature_weight.device, torch.float32),
+            [r.generator for r in reqs],
+            self.generator,
+        )
+        self.shard.plans.send_draft(plan.pack())
+        try:
+            tokens, probs, conf = self.shard.run(
+                plan, drawing, self.sps is not None or self.threshold > 0
+            )
+        except Exception as e:  # the other ranks may be in a collective of it
+            raise DistributedError(f"rank 0 failed in a tensor-parallel draft: {e!r}") from e
+        return self._proposal(reqs, max_lens, tokens, probs, conf)
+
+    def _proposal(
+        self,
+        reqs: Sequence[Req],
+        max_lens: Sequence[int],
+        tokens: torch.Tensor,  # [R, G]
+        probs: torch.Tensor | None,  # [R, G, V]
+        conf: torch.Tensor | None,  # [R, G]
+    ) -> DraftProposal:
+        """Each request's drafts up to its limit (one read back)."""
         token_lists, conf_lists = self.staging.fetch([tokens, conf])  # the step's first copy
         out_tokens, out_q, out_conf = [], [], []
         for i, (r, limit) in enumerate(zip(reqs, max_lens)):

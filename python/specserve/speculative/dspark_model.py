@@ -24,9 +24,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig, RopeConfig, parse_rope
+from specserve.distributed import SINGLE, RankGroup
 from specserve.layers.activation import gated_act
 from specserve.layers.linear import FusedLinears, Linear, LogitsHead, k_major_
 from specserve.layers.norm import RMSNorm, rms_norm
+from specserve.layers.parallel import (
+    ColumnParallelLinear,
+    HeadSplit,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
 from specserve.layers.rotary import RotaryEmbedding
 from specserve.speculative.block_drafter import BlockDrafter, ConfidenceHead, MarkovHead
 
@@ -104,16 +112,23 @@ class DSparkConfig:
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: DSparkConfig) -> None:
+    """This rank's heads of a draft layer (all of them at one rank)."""
+
+    def __init__(self, cfg: DSparkConfig, group: RankGroup = SINGLE) -> None:
         super().__init__()
-        h, kv, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        heads = HeadSplit.of(cfg.num_attention_heads, cfg.num_key_value_heads, group)
+        h, kv, dim = heads.q_count, heads.kv_count, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, dim
         self.eps = cfg.rms_norm_eps
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, h * dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv * dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv * dim, bias=bias)
-        self.o_proj = Linear(h * dim, cfg.hidden_size, bias=bias)
+        bias, d = cfg.attention_bias, cfg.hidden_size
+        q_full, kv_full = cfg.num_attention_heads * dim, cfg.num_key_value_heads * dim
+        q_rows, kv_rows = (heads.q_start * dim, h * dim), (heads.kv_start * dim, kv * dim)
+        self.q_proj = ColumnParallelLinear(d, q_full, group, "heads", q_rows, bias)
+        self.k_proj = ColumnParallelLinear(d, kv_full, group, "KV heads", kv_rows, bias)
+        self.v_proj = ColumnParallelLinear(d, kv_full, group, "KV heads", kv_rows, bias)
+        self.o_proj = RowParallelLinear(
+            q_full, d, bias, group, "the drafter's num_attention_heads x head_dim"
+        )
         self.q_norm = RMSNorm(dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(dim, cfg.rms_norm_eps)
         # One matmul for q|k|v of the block (k|v of the context: its last rows).
@@ -216,20 +231,21 @@ def dense_attend(
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, cfg: DSparkConfig) -> None:
+    def __init__(self, cfg: DSparkConfig, group: RankGroup = SINGLE) -> None:
         super().__init__()
-        self.self_attn = DraftAttention(cfg)
-        self.mlp = DraftMLP(cfg)
+        self.self_attn = DraftAttention(cfg, group)
+        self.mlp = DraftMLP(cfg, group)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DraftMLP(nn.Module):
-    def __init__(self, cfg: DSparkConfig) -> None:
+    def __init__(self, cfg: DSparkConfig, group: RankGroup = SINGLE) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        d, inter, what = cfg.hidden_size, cfg.intermediate_size, "the drafter's intermediate_size"
+        self.gate_proj = ColumnParallelLinear(d, inter, group, what)
+        self.up_proj = ColumnParallelLinear(d, inter, group, what)
+        self.down_proj = RowParallelLinear(inter, d, False, group, what)
         self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -243,17 +259,21 @@ class DSparkDraftModel(BlockDrafter):
         use_markov: bool = True,
         use_confidence: bool = True,
         context_length: int | None = None,  # the serving context, if longer than the config's
+        group: RankGroup = SINGLE,
     ) -> None:
+        """``group``: the tensor-parallel group this is one rank's shard for
+        (heads, MLP features and vocabulary split as the target's)."""
         super().__init__()
         self.config = cfg
+        self.group = group
         d = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
-        self.lm_head = LogitsHead(d, cfg.vocab_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, d, group)
+        self.lm_head = VocabParallelHead(d, cfg.vocab_size, group)
         self.fc = Linear(len(cfg.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([DraftLayer(cfg, group) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.markov_head = MarkovHead(cfg) if cfg.markov_rank > 0 else None
+        self.markov_head = MarkovHead(cfg, group) if cfg.markov_rank > 0 else None
         self.confidence_head = None
         if cfg.enable_confidence_head:
             extra = cfg.markov_rank if cfg.confidence_head_with_markov else 0
@@ -285,6 +305,7 @@ class DSparkDraftModel(BlockDrafter):
         """After the weights are in: the fused projections, the packed weights
         of the CPU's matmuls (``PackedWeight``), and the Markov head's weight
         K-major (see ``k_major_``)."""
+        self.embed_tokens.post_load()
         self.lm_head.post_load()
         self.fc.post_load()
         for layer in self.layers:
@@ -292,6 +313,7 @@ class DSparkDraftModel(BlockDrafter):
             layer.mlp.gate_up.fuse_()
             layer.mlp.down_proj.post_load()
         if self.markov_head is not None:
+            self.markov_head.markov_w2.post_load()
             k_major_(self.markov_head.markov_w2.weight)
 
     # ---- context ------------------------------------------------------------

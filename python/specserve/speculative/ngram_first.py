@@ -28,6 +28,7 @@ class NgramFirstProposer(Proposer):
         self.drafter = drafter
         self.capture_layer_ids = drafter.capture_layer_ids
         self.max_drafts = drafter.max_drafts
+        self.context_pages = drafter.context_pages
 
     def propose(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> DraftProposal:
         found = self.lookup.propose(reqs, max_lens)
