@@ -256,3 +256,20 @@ def _hf_v4_modules(cfg_dict: dict, w: dict[str, torch.Tensor], stage: int):
     for name, key in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
         getattr(moe.shared_experts, name).weight.data = w[p + f"ffn.shared_experts.{key}.weight"]
     return hcs, moe.eval()
+
+
+def record_drafts(eng) -> list[list[list[int]]]:
+    """Every proposal's draft tokens from now on (none without a proposer)."""
+    rounds: list[list[list[int]]] = []
+    proposer = eng.proposer
+    if proposer is None:
+        return rounds
+    propose = proposer.propose
+
+    def recorded(reqs, limits):
+        proposal = propose(reqs, limits)
+        rounds.append(proposal.tokens)
+        return proposal
+
+    proposer.propose = recorded
+    return rounds

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from models_zoo import random_prompts
+from spec_helpers import record_drafts as _record_drafts
 from spec_helpers import v4_checkpoints
 from specserve import Engine
 
@@ -59,15 +60,25 @@ def test_v4_tp2_equals_tp1(v4, spec, ep) -> None:
     which, kw = SPECS[spec](v4)
     kw = dict(device="cpu", max_total_tokens=4096, chunked_prefill_size=16, **kw)
     with Engine(model_path=v4[which], **kw) as one:
+        want_drafts = _record_drafts(one)
         want = _run(one)
     with Engine(model_path=v4[which], tp_size=2, ep_size=ep, **kw) as two:
+        got_drafts = _record_drafts(two)
         got = _run(two)
         assert two.free_pages() == two.total_pages()
         experts = two.runner.model.layers[-1].ffn.experts
         assert experts.w13.shape[0] == (2 if ep == 2 else 4)  # of 4
+        if spec == "dspark-bundle":  # the drafter is split like the target
+            drafter = two.proposer.model
+            assert drafter.head is two.runner.model.head
+            assert drafter.stages[0].attn.heads == two.runner.model.layers[0].attn.heads
+            assert drafter.stages[0].ffn.experts.w13.shape[0] == (2 if ep == 2 else 4)
     _assert_same(want, got)
     if spec != "plain":
         assert got[0]["meta_info"]["spec_verify_ct"] > 0
+        # Every round's drafts are one device's (its windowed context was
+        # stored by the target's forwards on both ranks).
+        assert got_drafts == want_drafts
 
 
 def test_fp8_v4_shards(v4, tmp_path) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from models_zoo import model_path, random_prompts
+from spec_helpers import record_drafts as _record_drafts
 from specserve import Engine
 from specserve.tools.tiny_model import make_tiny_dspark, make_tiny_model
 
@@ -142,11 +143,15 @@ def test_tp2_equals_tp1(models, case, tmp_path) -> None:
         kw["speculative_dspark_sps_table_path"] = str(tmp_path / "sps.json")
     with Engine(model_path=models[model], tp_size=2, **kw) as two:
         assert two.runner.group.size == 2
+        got_drafts = _record_drafts(two)
         got = _run(two)
         assert two.free_pages() == two.total_pages()
         assert not budget or two.proposer.sps is not None
     with Engine(model_path=models[model], **kw) as one:
+        want_drafts = _record_drafts(one)
         want = _run(one)
+    # The drafter in the group drafts what it drafts on one device.
+    assert got_drafts == want_drafts
     for a, b in zip(want["greedy"], got["greedy"]):
         assert a["output_ids"] == b["output_ids"]
         _assert_close_logprobs(a, b)

@@ -35,7 +35,7 @@ class Scheduler:
         capture_layer_ids: tuple[int, ...] = (),
         entry_pools: Sequence[tuple[BlockPool, int]] = (),
         retain: int | None = None,
-        context_pages: Callable[[Req, int], list[int]] | None = None,
+        context_pages: Callable[[Req, int, int], list[int]] | None = None,
     ) -> None:
         self.config = config
         self.block_pool = block_pool
@@ -46,8 +46,8 @@ class Scheduler:
         self.lookahead = lookahead
         self.on_release = on_release  # drops per-request state kept elsewhere (drafts)
         self.capture_layer_ids = capture_layer_ids  # target layers every forward captures
-        # A drafter's pages for a request's positions [0, end), whose context
-        # K/V the forward stores (``Proposer.context_pages``).
+        # A drafter's pages for a request's positions [0, end), the context
+        # K/V of [start, end) stored by the forward (``Proposer.context_pages``).
         self.context_pages = context_pages
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # in admission order: the last one is preempted first
@@ -220,7 +220,7 @@ class Scheduler:
                         req.page_table,
                         chain,
                         req.entry_tables,
-                        self._draft_pages(req, start + len(fed)),
+                        self._draft_pages(req, start, start + len(fed)),
                     )  # fmt: skip
                 )
                 steps.append(ReqStep(req, q_lo, 0, True, drafts, q, verify=True, decoding=True))
@@ -232,14 +232,14 @@ class Scheduler:
                     req.page_table,
                     rows,
                     req.entry_tables,
-                    self._draft_pages(req, end),
+                    self._draft_pages(req, start, end),
                 )  # fmt: skip
             )
             steps.append(ReqStep(req, q_lo, num_in, sample, decoding=decoding))
         return ScheduledBatch(entries, steps, self.capture_layer_ids)
 
-    def _draft_pages(self, req: Req, end: int) -> list[int]:
-        return [] if self.context_pages is None else self.context_pages(req, end)
+    def _draft_pages(self, req: Req, start: int, end: int) -> list[int]:
+        return [] if self.context_pages is None else self.context_pages(req, start, end)
 
     def reap_finished(self) -> list[Req]:
         """Drops finished requests from the running set and frees their pages."""

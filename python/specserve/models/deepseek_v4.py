@@ -20,6 +20,8 @@ says; embedding and head split by vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -233,6 +235,26 @@ class Attention(nn.Module):
         return self.wo_b.forward(grouped)
 
 
+def parameter_layout(
+    model: nn.Module, skip: Callable[[str], bool]
+) -> tuple[dict[str, torch.Tensor], dict[str, Shard]]:
+    """``model``'s parameters but those ``skip`` names -> the tensors they
+    fill (a split module's ``checkpoint_part``), and the names read as a
+    slice -> that slice. (Routed experts lay themselves out.)"""
+    out: dict[str, torch.Tensor] = {}
+    shards: dict[str, Shard] = {}
+    modules = dict(model.named_modules())
+    for name, param in model.named_parameters():
+        if skip(name):
+            continue
+        module_name, _, attr = name.rpartition(".")
+        part_of = getattr(modules[module_name], "checkpoint_part", None)
+        out[name], shard = part_of(attr) if part_of else (param.data, None)
+        if shard is not None:
+            shards[name] = shard
+    return out, shards
+
+
 def pack_weights(module: nn.Module) -> None:
     """After the weights are in: on the CPU, the packed weights
     (``PackedWeight``) of every projection and expert under ``module``."""
@@ -328,17 +350,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def checkpoint_layout(self) -> tuple[dict[str, torch.Tensor], dict[str, Shard]]:
         """Our names -> the tensors they fill, and the names this rank reads
         a slice of -> that slice."""
-        out: dict[str, torch.Tensor] = {}
-        shards: dict[str, Shard] = {}
-        modules = dict(self.named_modules())
-        for name, param in self.named_parameters():
-            if ".ffn.experts." in name:
-                continue
-            module_name, _, attr = name.rpartition(".")
-            part_of = getattr(modules[module_name], "checkpoint_part", None)
-            out[name], shard = part_of(attr) if part_of else (param.data, None)
-            if shard is not None:
-                shards[name] = shard
+        out, shards = parameter_layout(self, lambda name: ".ffn.experts." in name)
         for name, buf in self.named_buffers():
             out[name] = buf
         for i, block in enumerate(self.layers):

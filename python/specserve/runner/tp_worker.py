@@ -52,10 +52,9 @@ def run_worker(rank: int, size: int, addr: str, config: EngineConfig, log_level:
 
 
 def join_drafter(config: EngineConfig, runner: ModelRunner) -> None:
-    """Sizes a worker's KV pools: with a DSpark / DFlash drafter in the group
-    (not DeepSeek-V4's, which runs on rank 0), its shard loads first, as on
-    rank 0, and its pool is counted and made."""
-    if config.spec.algorithm not in ("DSPARK", "DFLASH") or runner.model_config.deepseek_v4:
+    """Sizes a worker's KV pools: with a DSpark / DFlash drafter in the group,
+    its shard loads first, as on rank 0, and its pool is counted and made."""
+    if config.spec.algorithm not in ("DSPARK", "DFLASH"):
         runner.allocate_kv()
         return
     from specserve.speculative.draft_shard import attach_draft_shard

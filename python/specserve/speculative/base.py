@@ -41,8 +41,9 @@ class Proposer(ABC):
     max_drafts: int = 0
     # A drafter whose context K/V the target's forwards store (every rank of
     # a tensor-parallel group): the request's draft pages for its positions
-    # [0, end), allocated as needed, for each entry the scheduler builds.
-    context_pages: Callable[[Req, int], list[int]] | None = None
+    # [0, end), allocated as needed, for each entry the scheduler builds
+    # (whose tokens are the positions [start, end)): (req, start, end).
+    context_pages: Callable[[Req, int, int], list[int]] | None = None
 
     @abstractmethod
     def propose(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> DraftProposal:

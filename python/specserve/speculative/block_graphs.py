@@ -19,11 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.cache.block_pool import page_slots
 from specserve.cache.kv_pool import KVPool
 from specserve.host import upload
 from specserve.layers.attention import AttentionMetadata, TritonAttentionBackend
 from specserve.runner.cuda_graph_runner import Capture, Forward, StaticTables
 from specserve.speculative.dspark_model import Attend, ContextRows, DSparkDraftModel
+from specserve.speculative.dspark_v4_model import DSparkV4DraftModel
 
 
 def paged_attend(backend, meta: AttentionMetadata) -> Attend:
@@ -76,6 +78,35 @@ def eager_block(
     backend.prepare(meta)
     starts = upload(x.starts, device)
     return model.block_hidden(anchors, starts, paged_attend(backend, meta), g, context)
+
+
+def window_attend(
+    model: DSparkV4DraftModel,
+    kv_pool: KVPool,
+    page_tables: list[list[int]],
+    starts: list[int],
+    page_size: int,
+    first_pages: list[int] | None = None,
+) -> Attend:
+    """A windowed drafter's blocks, each over the last ``window`` context
+    positions before its start, gathered from the draft pool (padding
+    masked). ``first_pages``: the page index each table starts at (a
+    window's pages only; 0 for whole tables)."""
+    w = model.window
+    assert w is not None
+    slots, bias = [], []
+    for i, (table, p) in enumerate(zip(page_tables, starts)):
+        shift = 0 if first_pages is None else first_pages[i] * page_size
+        lo = max(0, p - w)
+        row = page_slots(table, lo - shift, p - shift, page_size)
+        pad = w - len(row)
+        slots.append([0] * pad + row)
+        bias.append([float("-inf")] * pad + [0.0] * len(row))
+    device = model.feature_weight.device
+    index = upload(slots, device)  # [R, W]
+    ctx_bias = upload(bias, device, torch.float32)
+    ctx = [kv_pool.k[layer][index][:, :, 0] for layer in range(len(kv_pool.k))]
+    return model.window_attend(ctx, ctx_bias)
 
 
 @dataclass

@@ -46,9 +46,10 @@ from specserve.layers.parallel import VocabParallelHead, vocab_shard
 from specserve.runner.model_runner import ModelRunner
 from specserve.sampling.sampler import exponential_race
 from specserve.sampling.vocab_parallel import gather_columns, vocab_parallel_argmax
-from specserve.speculative.block_graphs import BlockInputs, eager_block
+from specserve.speculative.block_drafter import BlockDrafter
+from specserve.speculative.block_graphs import BlockInputs, eager_block, window_attend
 from specserve.speculative.drafter_loader import LoadedDrafter, draft_heads
-from specserve.speculative.dspark_model import DSparkDraftModel
+from specserve.speculative.dspark_model import DSparkConfig
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class DraftShard:
 
     def __init__(
         self,
-        model: DSparkDraftModel,
+        model: BlockDrafter,
         block_size: int,
         kv_pool: KVPool,
         page_size: int,
@@ -140,20 +141,28 @@ class DraftShard:
         greedy) and the confidences ``[R, G]`` (if asked for and the drafter
         has the head); the others' results mean nothing."""
         g, ps, device = self.block_size, self.page_size, self.model.feature_weight.device
-        x = BlockInputs(
-            features=self.model.feature_weight.new_zeros(0, 0),
-            context_rows=[0] * len(plan.anchors),
-            context_positions=[],
-            context_slots=[],
-            anchors=plan.anchors,
-            starts=plan.starts,
-            block_slots=[
-                page_slots(t, p, p + g, ps) for t, p in zip(plan.page_tables, plan.starts)
-            ],
-            page_tables=plan.page_tables,
-        )
         anchors = upload(plan.anchors, device)
-        hidden = eager_block(self.model, self.backend, self.kv_pool, x, anchors, g, ps)
+        w = self.model.window
+        if w is not None:  # each table holds its window's pages only
+            first = [window_first_page(p, w, ps) for p in plan.starts]
+            attend = window_attend(
+                self.model, self.kv_pool, plan.page_tables, plan.starts, ps, first
+            )
+            hidden = self.model.block_hidden(anchors, upload(plan.starts, device), attend, g)
+        else:  # the block writes its K/V past each context, then attends
+            x = BlockInputs(
+                features=self.model.feature_weight.new_zeros(0, 0),
+                context_rows=[0] * len(plan.anchors),
+                context_positions=[],
+                context_slots=[],
+                anchors=plan.anchors,
+                starts=plan.starts,
+                block_slots=[
+                    page_slots(t, p, p + g, ps) for t, p in zip(plan.page_tables, plan.starts)
+                ],
+                page_tables=plan.page_tables,
+            )
+            hidden = eager_block(self.model, self.backend, self.kv_pool, x, anchors, g, ps)
         return self._walk(hidden, anchors, plan.greedy, drawing, with_confidence)
 
     def _walk(
@@ -245,16 +254,21 @@ def attach_draft_shard(
     """``runner``'s rank's part of the drafter ``loaded`` over ``kv_pool``
     (``drafter_loader.draft_kv_pool``), attached to the runner: its
     forwards store the draft context, and a worker serves block plans."""
-    model = loaded.model
-    assert isinstance(model, DSparkDraftModel)
-    heads = draft_heads(loaded.config, runner).q_count
-    backend = make_attention_backend(config.attention_backend, kv_pool, heads, runner.device)
+    model, backend = loaded.model, None
+    if isinstance(loaded.config, DSparkConfig):  # (a windowed drafter attends on its own)
+        heads = draft_heads(loaded.config, runner).q_count
+        backend = make_attention_backend(config.attention_backend, kv_pool, heads, runner.device)
     shard = DraftShard(model, loaded.block_size, kv_pool, runner.page_size, backend, runner.plans)
     runner.draft_shard = shard
     return shard
 
 
-def column_counts(model: DSparkDraftModel, group: RankGroup) -> list[int]:
+def window_first_page(start: int, window: int, page_size: int) -> int:
+    """The first page a block at ``start`` of a windowed drafter reads."""
+    return max(0, start - window) // page_size
+
+
+def column_counts(model: BlockDrafter, group: RankGroup) -> list[int]:
     """Every rank's real logit columns: its slice of the vocabulary, or of
     the hot vocabulary (``restrict_vocab``)."""
     vocab = model.config.vocab_size

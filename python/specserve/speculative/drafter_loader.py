@@ -20,7 +20,6 @@ from specserve.models.loader import (
     keep_fp32_,
     load_state,
     materialize,
-    read_whole,
 )
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.block_drafter import BlockDrafter
@@ -179,28 +178,6 @@ def pool_pages(config: EngineConfig, runner: ModelRunner, loaded: LoadedDrafter)
     return pages
 
 
-def load_target_vocab(
-    runner: ModelRunner, dests: dict[str, tuple[str, torch.Tensor]], embed: str, head: str
-) -> set[str]:
-    """Fills ``dests`` (the drafter's tensors by name: each the "embed" or
-    the "head" kind; those of the target's shape are filled) with the
-    target's whole embedding and head, which are split over the ranks (the
-    target's names ``embed`` and ``head``); returns the names so filled.
-    The drafter runs on rank 0 alone."""
-    tcfg = runner.model_config
-    source = {"embed": embed, "head": embed if tcfg.tie_word_embeddings else head}
-    wanted = {
-        name: source[kind]
-        for name, (kind, d) in dests.items()
-        if d.shape == (tcfg.vocab_size, tcfg.hidden_size)
-    }
-    files = checkpoint_files(runner.config.model_path)
-    whole = read_whole(runner.model, files, set(wanted.values()))
-    for name, src in wanted.items():
-        dests[name][1].copy_(whole[src])
-    return set(wanted)
-
-
 def load_v4_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
     """DeepSeek-V4's drafter: ``mtp.*`` of the draft path (the target
     checkpoint itself when it bundles one), sharing the target's embedding
@@ -212,17 +189,13 @@ def load_v4_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
     block = drafted_block(config, dcfg.block_size)
     use_heads = spec.algorithm != "DFLASH"
     with torch.device("meta"):
-        model = DSparkV4DraftModel(tcfg, dcfg, use_heads, runner.context_length)
+        model = DSparkV4DraftModel(
+            tcfg, dcfg, use_heads, runner.context_length, runner.group,
+            expert_parallel=config.parallel.ep_size > 1,
+        )  # fmt: skip
     model = keep_fp32_(materialize(model, runner.dtype, runner.device))
-    if runner.group.size > 1:  # whole copies on rank 0 (the drafter's own modules)
-        dests = {
-            "embed": ("embed", model.embed.weight.data),
-            "head": ("head", model.head.weight.data),
-        }
-        load_target_vocab(runner, dests, "embed.weight", "head.weight")
-        model.head.post_load()
-    else:
-        model.embed, model.head = runner.model.embed, runner.model.head
+    # The target's (under tensor parallelism, this rank's slices of them).
+    model.embed, model.head = runner.model.embed, runner.model.head
     what = f"{dcfg.num_stages}-stage DeepSeek-V4 DSpark drafter"
     load_state(model, checkpoint_files(path), what, fp8_block=tcfg.fp8_block)
     pack_weights(model.stages)

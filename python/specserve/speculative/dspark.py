@@ -40,16 +40,27 @@ from specserve.layers.attention import (
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.base import DraftProposal, Proposer
 from specserve.speculative.block_drafter import BlockDrafter
-from specserve.speculative.block_graphs import BlockInputs, DraftBlockGraphs, eager_block
+from specserve.speculative.block_graphs import (
+    BlockInputs,
+    DraftBlockGraphs,
+    eager_block,
+    window_attend,
+)
 from specserve.speculative.confidence import SpsTable, budget_lengths, profile_sps, static_lengths
-from specserve.speculative.draft_shard import DraftPlan, DraftShard, Drawing, attach_draft_shard
+from specserve.speculative.draft_shard import (
+    DraftPlan,
+    DraftShard,
+    Drawing,
+    attach_draft_shard,
+    window_first_page,
+)
 from specserve.speculative.drafter_loader import (
     LoadedDrafter,
     draft_kv_pool,
     load_drafter,
     pool_pages,
 )
-from specserve.speculative.dspark_model import Attend, DSparkConfig
+from specserve.speculative.dspark_model import Attend
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +123,7 @@ class DSparkProposer(Proposer):
         ``load_drafter`` returned (loaded now if not given)."""
         spec = config.spec
         loaded = loaded or load_drafter(config, runner)
-        model, dcfg, block = loaded.model, loaded.config, loaded.block_size
+        model, block = loaded.model, loaded.block_size
         kv = draft_kv_pool(config, runner, loaded)
         blocks = BlockPool(pool_pages(config, runner, loaded), runner.page_size)
         sps, profile = None, False
@@ -125,7 +136,7 @@ class DSparkProposer(Proposer):
             else:
                 profile = True
         shard = None
-        if runner.group.size > 1 and isinstance(dcfg, DSparkConfig):
+        if runner.group.size > 1:
             shard = attach_draft_shard(config, runner, loaded, kv)
         proposer = cls(
             model, block, kv, blocks, spec.confidence_threshold, sps, config.random_seed,
@@ -168,12 +179,16 @@ class DSparkProposer(Proposer):
 
     # ---- state -------------------------------------------------------------------
 
-    def _context_pages(self, req: Req, end: int) -> list[int]:
+    def _context_pages(self, req: Req, start: int, end: int) -> list[int]:
         """The draft pages of ``req``'s positions ``[0, end)`` (covered now),
-        where every rank's target forward stores their context K/V."""
+        where every rank's target forward stores the context K/V of those
+        from ``start``. A windowed drafter's pages behind the window of
+        every later block go back to the pool."""
         st = req.draft_state
         if st is None:
             st = req.draft_state = DSparkState()
+        if self.model.window is not None:
+            release_behind(st.pages, start - self.model.window, self.block_pool)
         self._cover(st, end)
         return st.pages
 
@@ -283,21 +298,10 @@ class DSparkProposer(Proposer):
 
     def _window_attend(self, reqs: Sequence[Req]) -> Attend:
         """Each block over the last ``window`` context positions before its
-        anchor, gathered from the draft pool (padding masked)."""
-        w, ps = self.model.window, self.block_pool.page_size
-        slots, bias = [], []
-        for r in reqs:
-            st = r.draft_state
-            lo = max(0, st.ctx_len - w)
-            row = page_slots(st.pages, lo, st.ctx_len, ps)
-            pad = w - len(row)
-            slots.append([0] * pad + row)
-            bias.append([float("-inf")] * pad + [0.0] * len(row))
-        device = self.model.feature_weight.device
-        index = upload(slots, device)  # [R, W]
-        ctx_bias = upload(bias, device, torch.float32)
-        ctx = [self.kv_pool.k[layer][index][:, :, 0] for layer in range(len(self.kv_pool.k))]
-        return self.model.window_attend(ctx, ctx_bias)
+        anchor, gathered from the draft pool."""
+        ctx_lens = [r.draft_state.ctx_len for r in reqs]
+        tables = [r.draft_state.pages for r in reqs]
+        return window_attend(self.model, self.kv_pool, tables, ctx_lens, self.block_pool.page_size)
 
     # ---- proposing ---------------------------------------------------------------
 
@@ -353,17 +357,23 @@ class DSparkProposer(Proposer):
         """The blocks run by every rank of the group (``DraftShard``): the
         draft context is in the pool, stored by the target's forwards."""
         assert self.shard is not None
-        g = self.max_drafts
+        g, w, ps = self.max_drafts, self.model.window, self.block_pool.page_size
+        tables = []
         for r in reqs:
             st = r.draft_state
             assert st is not None, "the target's forwards cover every draft context"
             st.ctx_len = r.seq_len - 1
-            self._cover(st, st.ctx_len + g)
+            if w is None:  # the block writes its K/V past the context
+                self._cover(st, st.ctx_len + g)
+                tables.append(st.pages)
+            else:  # the block reads its window's pages only
+                self._slide(st)
+                tables.append(st.pages[window_first_page(st.ctx_len, w, ps) :])
         plan = DraftPlan(
             anchors=[r.output_ids[-1] for r in reqs],
             starts=[r.draft_state.ctx_len for r in reqs],
             greedy=[r.sampling.greedy for r in reqs],
-            page_tables=[r.draft_state.pages for r in reqs],
+            page_tables=tables,
         )
         temps = [r.sampling.temperature if not r.sampling.greedy else 0.0 for r in reqs]
         drawing = Drawing(

@@ -26,20 +26,23 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.distributed import SINGLE, RankGroup
 from specserve.layers.compressed_attention import sink_attention
 from specserve.layers.hyper_connection import (
     HyperConnection,
     HyperHead,
     expand,
 )
-from specserve.layers.linear import Linear, LogitsHead
+from specserve.layers.linear import Linear, LogitsHead, Shard
 from specserve.layers.moe import MoE
 from specserve.layers.norm import RMSNorm
+from specserve.layers.parallel import VocabParallelEmbedding, VocabParallelHead
 from specserve.models.deepseek_v4 import (
     Attention,
     DeepseekV4ForCausalLM,
     InterleavedRope,
     hc_names,
+    parameter_layout,
 )
 from specserve.models.deepseek_v4_config import SLIDING
 from specserve.speculative.block_drafter import BlockDrafter, ConfidenceHead, MarkovHead
@@ -110,8 +113,8 @@ class StageAttention(Attention):
     """V4's sliding-window MQA (checkpoint names ``attn.*``), its keys from
     the context state as well as from the block."""
 
-    def __init__(self, cfg: ModelConfig, rope: InterleavedRope) -> None:
-        super().__init__(cfg, SLIDING, rope)
+    def __init__(self, cfg: ModelConfig, rope: InterleavedRope, group: RankGroup = SINGLE) -> None:
+        super().__init__(cfg, SLIDING, rope, group)
 
     def context_key(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x [n, d]`` -> keys (= values) ``[n, D]`` at ``positions``."""
@@ -131,13 +134,22 @@ class StageAttention(Attention):
 
 
 class Stage(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: InterleavedRope, features: int, last: bool) -> None:
-        """``features``: the context features stage 0 fuses (0 for later stages)."""
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rope: InterleavedRope,
+        features: int,
+        last: bool,
+        group: RankGroup = SINGLE,
+        expert_parallel: bool = False,
+    ) -> None:
+        """``features``: the context features stage 0 fuses (0 for later
+        stages). ``group``: split as the target's V4 layers are."""
         super().__init__()
         v4 = cfg.deepseek_v4
         d = cfg.hidden_size
-        self.attn = StageAttention(cfg, rope)
-        self.ffn = MoE(d, v4, cfg.vocab_size, hashed=False)
+        self.attn = StageAttention(cfg, rope, group)
+        self.ffn = MoE(d, v4, cfg.vocab_size, False, group, expert_parallel)
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
         hc = (v4.hc_mult, d, v4.hc_sinkhorn_iters, v4.hc_eps, cfg.rms_norm_eps)
@@ -159,7 +171,11 @@ class DSparkV4DraftModel(BlockDrafter):
         cfg: DSparkV4Config,
         use_heads: bool = True,
         context_length: int | None = None,
+        group: RankGroup = SINGLE,
+        expert_parallel: bool = False,
     ) -> None:
+        """``group``: the tensor-parallel group this is one rank's shard for
+        (its stages split as the target's layers, the vocabulary too)."""
         super().__init__()
         self.config, self.target = cfg, target
         v4 = target.deepseek_v4
@@ -169,12 +185,15 @@ class DSparkV4DraftModel(BlockDrafter):
         positions = (context_length or target.max_position_embeddings) + cfg.block_size
         self.rope = InterleavedRope(v4.main_rope, target.head_dim, positions)
         self.stages = nn.ModuleList(
-            [Stage(target, self.rope, n * d if i == 0 else 0, i == n - 1) for i in range(n)]
+            [
+                Stage(target, self.rope, n * d if i == 0 else 0, i == n - 1, group, expert_parallel)
+                for i in range(n)
+            ]
         )
         # The target's embedding and head, aliased by the loader.
-        self.embed = nn.Embedding(target.vocab_size, d)
-        self.head = LogitsHead(d, target.vocab_size)
-        self.markov_head = MarkovHead(cfg)
+        self.embed = VocabParallelEmbedding(target.vocab_size, d, group)
+        self.head = VocabParallelHead(d, target.vocab_size, group)
+        self.markov_head = MarkovHead(cfg, group)
         self.confidence_head = (
             ConfidenceHead(d + cfg.markov_rank, bias=False) if cfg.enable_confidence_head else None
         )
@@ -192,6 +211,10 @@ class DSparkV4DraftModel(BlockDrafter):
         _, stage, rest = key.split(".", 2)
         if rest.startswith(("markov_head.", "confidence_head.")):
             return rest
+        if rest.startswith("ffn.experts."):  # another rank's expert: not ours
+            expert = int(rest.split(".")[2])
+            if not self.stages[int(stage)].ffn.experts.holds(expert):
+                return None
         return f"stages.{stage}.{hc_names(rest)}"
 
     def checkpoint_name(self, ours: str) -> str:
@@ -207,15 +230,20 @@ class DSparkV4DraftModel(BlockDrafter):
         return {self.checkpoint_name(k): v for k, v in self.checkpoint_targets().items()}
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
-        skip = ("embed.", "head.")
-        out = {
-            name: p.data
-            for name, p in self.named_parameters()
-            if not name.startswith(skip) and ".ffn.experts." not in name
-        }
+        return self.checkpoint_layout()[0]
+
+    def checkpoint_layout(self) -> tuple[dict[str, torch.Tensor], dict[str, Shard]]:
+        """Our names -> the tensors they fill (the target's embedding and
+        head are not the drafter's to load), and those this rank reads a
+        slice of -> that slice."""
+        out, shards = parameter_layout(
+            self, lambda name: name.startswith(("embed.", "head.")) or ".ffn.experts." in name
+        )
         for i, stage in enumerate(self.stages):
-            out.update(stage.ffn.experts.checkpoint_targets(f"stages.{i}.ffn.experts"))
-        return out
+            experts, split = stage.ffn.experts.checkpoint_layout(f"stages.{i}.ffn.experts")
+            out.update(experts)
+            shards.update(split)
+        return out, shards
 
     # ---- the shared walk's hooks -------------------------------------------
 
