@@ -339,6 +339,9 @@ class SpecConfig:
     # DSpark/DFlash: prompt-lookup drafts where the history has an n-gram match
     # (ngram_min_match / ngram_max_match), the drafter network elsewhere.
     ngram_first: bool = False
+    # DSpark/DFlash under tensor parallelism: the drafter split over the
+    # group (tp_size) or on rank 0 alone (1); None: EngineConfig.draft_tp_size.
+    draft_tp_size: int | None = None
 
     def __post_init__(self) -> None:
         alg = self.algorithm
@@ -399,6 +402,7 @@ SPEC_ARG_NAMES = {
     "speculative_ngram_min_match": "ngram_min_match",
     "speculative_token_map": "token_map",
     "speculative_ngram_first": "ngram_first",
+    "speculative_draft_tensor_parallel_size": "draft_tp_size",
 }
 
 
@@ -473,11 +477,30 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
+        draft_tp = self.spec.draft_tp_size
+        if draft_tp is not None and draft_tp not in (1, self.parallel.tp_size):
+            raise ValueError(
+                "speculative_draft_tensor_parallel_size must be 1 (the drafter on rank 0) or "
+                f"tp_size ({self.parallel.tp_size}), got {draft_tp}"
+            )
         if self.enable_torch_compile and self.parallel.tp_size > 1:
             raise ValueError(
                 "enable_torch_compile: not supported with tp_size > 1 yet (the compiled "
                 "layers would hold the ranks' collectives)"
             )
+
+    @property
+    def draft_tp_size(self) -> int:
+        """The ranks a DSpark / DFlash drafter is split over: the flag's, or
+        by default the whole group on CUDA and rank 0 alone elsewhere. Over
+        gloo on the CPU each collective costs about a millisecond, and a
+        split drafter adds one per layer and per drafted slot: there one rank
+        drafting with whole copies of the embedding and head is faster
+        (docs/parallelism.md has the figures); over NCCL they cost
+        microseconds and the split saves the copies and the compute."""
+        if self.spec.draft_tp_size is not None:
+            return self.spec.draft_tp_size
+        return self.parallel.tp_size if torch.device(self.device).type == "cuda" else 1
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -48,6 +48,8 @@ def _assert_same(want: list[dict], got: list[dict]) -> None:
 SPECS = {
     "plain": lambda v: ("target", {}),
     "dspark-bundle": lambda v: ("bundle", {"speculative_algorithm": "DSPARK"}),
+    # The drafter on rank 0 alone (the CPU's default), with whole copies.
+    "dspark-bundle-rank0": lambda v: ("bundle", {"speculative_algorithm": "DSPARK"}),
     "ngram": lambda v: ("target", {"speculative_algorithm": "NGRAM"}),
 }
 
@@ -55,14 +57,15 @@ SPECS = {
 @pytest.mark.parametrize("ep", [1, 2])
 @pytest.mark.parametrize("spec", list(SPECS))
 def test_v4_tp2_equals_tp1(v4, spec, ep) -> None:
-    if spec == "ngram" and ep == 1:
-        pytest.skip("one NGRAM run covers the proposer: it never touches the shards")
+    if spec in ("ngram", "dspark-bundle-rank0") and ep == 1:
+        pytest.skip("one run covers it: the proposer never touches the shards")
     which, kw = SPECS[spec](v4)
     kw = dict(device="cpu", max_total_tokens=4096, chunked_prefill_size=16, **kw)
     with Engine(model_path=v4[which], **kw) as one:
         want_drafts = _record_drafts(one)
         want = _run(one)
-    with Engine(model_path=v4[which], tp_size=2, ep_size=ep, **kw) as two:
+    split = {"speculative_draft_tensor_parallel_size": 2} if spec == "dspark-bundle" else {}
+    with Engine(model_path=v4[which], tp_size=2, ep_size=ep, **kw, **split) as two:
         got_drafts = _record_drafts(two)
         got = _run(two)
         assert two.free_pages() == two.total_pages()
@@ -73,6 +76,9 @@ def test_v4_tp2_equals_tp1(v4, spec, ep) -> None:
             assert drafter.head is two.runner.model.head
             assert drafter.stages[0].attn.heads == two.runner.model.layers[0].attn.heads
             assert drafter.stages[0].ffn.experts.w13.shape[0] == (2 if ep == 2 else 4)
+        if spec == "dspark-bundle-rank0":  # whole: its head and experts
+            assert two.proposer.model.head.weight.shape[0] == two.runner.vocab_size
+            assert two.proposer.model.stages[0].ffn.experts.w13.shape[0] == 4
     _assert_same(want, got)
     if spec != "plain":
         assert got[0]["meta_info"]["spec_verify_ct"] > 0

@@ -48,6 +48,13 @@ def models(tmp_path_factory):
     }
 
 
+# The drafter split over the group (the CPU's default is rank 0 alone).
+SPLIT = {"speculative_draft_tensor_parallel_size": 2}
+# The one case whose drafter runs on rank 0 alone, with whole copies of the
+# target's embedding and head.
+ON_RANK_0 = "dspark-gated"
+
+
 def _dspark(drafter: str, **kw) -> dict:
     return {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": drafter, **kw}
 
@@ -141,8 +148,15 @@ def test_tp2_equals_tp1(models, case, tmp_path) -> None:
         # forwards go through plans) and saves the table, TP=1 reuses it, so
         # both verify the same drafts and draw the same random numbers.
         kw["speculative_dspark_sps_table_path"] = str(tmp_path / "sps.json")
-    with Engine(model_path=models[model], tp_size=2, **kw) as two:
+    split = SPLIT if spec(models) and case not in (ON_RANK_0, "ngram") else {}
+    with Engine(model_path=models[model], tp_size=2, **kw, **split) as two:
         assert two.runner.group.size == 2
+        drafter = getattr(two.proposer, "drafter", two.proposer)  # (ngram-first's)
+        if case == ON_RANK_0:
+            assert drafter.shard is None
+            assert drafter.model.lm_head.weight.shape[0] == two.runner.vocab_size
+        elif split:
+            assert drafter.shard is not None
         got_drafts = _record_drafts(two)
         got = _run(two)
         assert two.free_pages() == two.total_pages()
@@ -279,7 +293,8 @@ def test_tp4_equals_tp1(models) -> None:
     )
     with Engine(model_path=models["qwen3"], **kw) as one:
         want = one.generate(**args)
-    with Engine(model_path=models["qwen3"], tp_size=4, **kw) as four:
+    split = {"speculative_draft_tensor_parallel_size": 4}
+    with Engine(model_path=models["qwen3"], tp_size=4, **kw, **split) as four:
         assert four.runner.heads.kv_count == 1 and len(four.ranks.pids) == 3
         got = four.generate(**args)
     for a, b in zip(want, got):
@@ -342,7 +357,9 @@ def test_greedy_rows_never_leave_the_shards(models) -> None:
     for mode in ("raw", "processed"):
         with Engine(model_path=models["qwen3"], logprobs_mode=mode, **kw) as one:
             want = one.generate(**greedy)
-        with Engine(model_path=models["qwen3"], logprobs_mode=mode, tp_size=2, **kw) as two:
+        with Engine(
+            model_path=models["qwen3"], logprobs_mode=mode, tp_size=2, **kw, **SPLIT
+        ) as two:
             gathered = _count_gathers(two)
             got = two.generate(**greedy)
         assert gathered == [], mode
@@ -384,7 +401,7 @@ def test_the_drafter_runs_on_the_shards() -> None:
     ]
     for extra in ({}, {"speculative_token_map": demo + "token_map.pt"}):
         kw = dict(device="cpu", **_dspark(demo + "dspark"), **extra)
-        with Engine(model_path=demo + "target", tp_size=2, **kw) as two:
+        with Engine(model_path=demo + "target", tp_size=2, **kw, **SPLIT) as two:
             drafter, target = two.proposer.model, two.runner.model
             assert two.proposer.shard is not None
             assert drafter.lm_head is target.lm_head

@@ -124,7 +124,16 @@ def test_parallel_flags_reach_the_config_and_bad_layouts_are_named(tmp_path) -> 
         range(2, 4),
     )
     assert config().parallel.tp_size == 1
+    # The drafter's placement: split over the group, or rank 0 alone (the
+    # CPU's default: collectives cost more there than a small drafter).
+    assert config("--tp-size", "2").draft_tp_size == 1
+    split = config("--tp-size", "2", "--speculative-draft-tensor-parallel-size", "2")
+    assert split.draft_tp_size == 2
     for flags, message in (
+        (
+            ("--tp-size", "4", "--speculative-draft-tensor-parallel-size", "2"),
+            "speculative_draft_tensor_parallel_size must be 1",
+        ),
         (("--tp-size", "0"), "tp_size must be"),
         (("--dp-size", "0"), "dp_size must be"),
         (("--tp-size", "4", "--ep-size", "2"), "ep_size must be 1 or tp_size"),

@@ -52,9 +52,10 @@ def run_worker(rank: int, size: int, addr: str, config: EngineConfig, log_level:
 
 
 def join_drafter(config: EngineConfig, runner: ModelRunner) -> None:
-    """Sizes a worker's KV pools: with a DSpark / DFlash drafter in the group,
-    its shard loads first, as on rank 0, and its pool is counted and made."""
-    if config.spec.algorithm not in ("DSPARK", "DFLASH"):
+    """Sizes a worker's KV pools: with a DSpark / DFlash drafter split over
+    the group, its shard loads first, as on rank 0, and its pool is counted
+    and made."""
+    if config.spec.algorithm not in ("DSPARK", "DFLASH") or config.draft_tp_size == 1:
         runner.allocate_kv()
         return
     from specserve.speculative.draft_shard import attach_draft_shard

@@ -265,6 +265,14 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
         "the drafter elsewhere; exact output either way",
     )
     g.add_argument(
+        "--speculative-draft-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="DSpark/DFlash with --tp-size N: split the drafter over the N ranks (N) or run "
+        "it on rank 0 alone with whole copies of the target's embedding and head (1); "
+        "default N on CUDA, 1 on the CPU (where collectives cost more than a small drafter)",
+    )
+    g.add_argument(
         "--speculative-ngram-max-match",
         type=int,
         default=SpecConfig.ngram_max_match,

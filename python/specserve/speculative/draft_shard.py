@@ -256,7 +256,7 @@ def attach_draft_shard(
     forwards store the draft context, and a worker serves block plans."""
     model, backend = loaded.model, None
     if isinstance(loaded.config, DSparkConfig):  # (a windowed drafter attends on its own)
-        heads = draft_heads(loaded.config, runner).q_count
+        heads = draft_heads(loaded.config, runner.group).q_count
         backend = make_attention_backend(config.attention_backend, kv_pool, heads, runner.device)
     shard = DraftShard(model, loaded.block_size, kv_pool, runner.page_size, backend, runner.plans)
     runner.draft_shard = shard

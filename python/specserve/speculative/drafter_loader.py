@@ -13,13 +13,16 @@ import torch
 
 from specserve.cache.kv_pool import KVPool
 from specserve.config import EngineConfig
+from specserve.distributed import SINGLE, RankGroup
 from specserve.layers.parallel import HeadSplit
 from specserve.models.deepseek_v4 import pack_weights
 from specserve.models.loader import (
     checkpoint_files,
+    checkpoint_targets,
     keep_fp32_,
     load_state,
     materialize,
+    read_whole,
 )
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.block_drafter import BlockDrafter
@@ -56,11 +59,12 @@ def load_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
             block, dcfg.block_size,
         )  # fmt: skip
     dflash = spec.algorithm == "DFLASH"
-    model = load_draft_model(spec.draft_model_path, dcfg, runner, use_heads=not dflash)
+    group = drafter_group(config, runner)
+    model = load_draft_model(spec.draft_model_path, dcfg, runner, not dflash, group)
     if spec.token_map:
         model.restrict_vocab(load_token_map(spec.token_map, dcfg.vocab_size, runner.device))
     page = KVPool.bytes_per_page(
-        dcfg.num_hidden_layers, runner.page_size, draft_heads(dcfg, runner).kv_count,
+        dcfg.num_hidden_layers, runner.page_size, draft_heads(dcfg, group).kv_count,
         dcfg.head_dim, runner.dtype,
     )  # fmt: skip
     return LoadedDrafter(
@@ -118,8 +122,14 @@ def _check_compatible(dcfg: DSparkConfig, hidden: int, vocab: int, num_layers: i
         )
 
 
+def drafter_group(config: EngineConfig, runner: ModelRunner) -> RankGroup:
+    """The group the drafter is split over: the target's, or rank 0 alone
+    (``EngineConfig.draft_tp_size``)."""
+    return runner.group if config.draft_tp_size > 1 else SINGLE
+
+
 def load_draft_model(
-    path: str, dcfg: DSparkConfig, runner: ModelRunner, use_heads: bool = True
+    path: str, dcfg: DSparkConfig, runner: ModelRunner, use_heads: bool, group: RankGroup
 ) -> DSparkDraftModel:
     with torch.device("meta"):
         model = DSparkDraftModel(
@@ -127,17 +137,26 @@ def load_draft_model(
             use_markov=use_heads,
             use_confidence=use_heads,
             context_length=runner.context_length,
-            group=runner.group,
+            group=group,
         )
     model = materialize(model, runner.dtype, runner.device)
     target = runner.model
     skip: set[str] = set()
+    if group.size < runner.group.size:
+        # The target's are split over the ranks; the drafter runs on rank 0
+        # alone, with whole copies of them read from the target checkpoint.
+        targets = checkpoint_targets(model)
+        dests = {
+            "embed_tokens.weight": ("embed", targets["embed_tokens.weight"]),
+            "lm_head.weight": ("head", targets["lm_head.weight"]),
+        }
+        skip |= load_target_vocab(runner, dests, "model.embed_tokens.weight", "lm_head.weight")
     # The drafter's embedding and lm_head are copies of the target's: share
     # them (under tensor parallelism, this rank's slices of them).
-    if model.embed_tokens.weight.shape == target.model.embed_tokens.weight.shape:
+    elif model.embed_tokens.weight.shape == target.model.embed_tokens.weight.shape:
         model.embed_tokens = target.model.embed_tokens
         skip.add("embed_tokens.weight")
-    if model.lm_head.weight.shape == target.lm_head.weight.shape:
+    if group is runner.group and model.lm_head.weight.shape == target.lm_head.weight.shape:
         model.lm_head = target.lm_head
         skip.add("lm_head.weight")
     load_state(
@@ -147,9 +166,9 @@ def load_draft_model(
     return model.requires_grad_(False).eval()
 
 
-def draft_heads(dcfg: DSparkConfig, runner: ModelRunner) -> HeadSplit:
-    """The drafter's attention heads on ``runner``'s rank (all at one rank)."""
-    return HeadSplit.of(dcfg.num_attention_heads, dcfg.num_key_value_heads, runner.group)
+def draft_heads(dcfg: DSparkConfig, group: RankGroup) -> HeadSplit:
+    """The drafter's attention heads on this rank of ``group`` (all at one rank)."""
+    return HeadSplit.of(dcfg.num_attention_heads, dcfg.num_key_value_heads, group)
 
 
 def draft_kv_pool(config: EngineConfig, runner: ModelRunner, loaded: LoadedDrafter) -> KVPool:
@@ -163,7 +182,7 @@ def draft_kv_pool(config: EngineConfig, runner: ModelRunner, loaded: LoadedDraft
         layers, kv_heads, head_dim = dcfg.num_stages, 1, runner.model_config.head_dim
     else:
         layers, head_dim = dcfg.num_hidden_layers, dcfg.head_dim
-        kv_heads = draft_heads(dcfg, runner).kv_count
+        kv_heads = draft_heads(dcfg, drafter_group(config, runner)).kv_count
     return KVPool(
         layers, pages + 1, runner.page_size, kv_heads, head_dim, runner.dtype, runner.device
     )
@@ -178,6 +197,28 @@ def pool_pages(config: EngineConfig, runner: ModelRunner, loaded: LoadedDrafter)
     return pages
 
 
+def load_target_vocab(
+    runner: ModelRunner, dests: dict[str, tuple[str, torch.Tensor]], embed: str, head: str
+) -> set[str]:
+    """Fills ``dests`` (the drafter's tensors by name: each the "embed" or
+    the "head" kind; those of the target's shape are filled) with the
+    target's whole embedding and head, which are split over the ranks (the
+    target's names ``embed`` and ``head``); returns the names so filled.
+    The drafter runs on rank 0 alone."""
+    tcfg = runner.model_config
+    source = {"embed": embed, "head": embed if tcfg.tie_word_embeddings else head}
+    wanted = {
+        name: source[kind]
+        for name, (kind, d) in dests.items()
+        if d.shape == (tcfg.vocab_size, tcfg.hidden_size)
+    }
+    files = checkpoint_files(runner.config.model_path)
+    whole = read_whole(runner.model, files, set(wanted.values()))
+    for name, src in wanted.items():
+        dests[name][1].copy_(whole[src])
+    return set(wanted)
+
+
 def load_v4_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
     """DeepSeek-V4's drafter: ``mtp.*`` of the draft path (the target
     checkpoint itself when it bundles one), sharing the target's embedding
@@ -188,14 +229,22 @@ def load_v4_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
     dcfg = DSparkV4Config.from_path(path, tcfg)
     block = drafted_block(config, dcfg.block_size)
     use_heads = spec.algorithm != "DFLASH"
+    group = drafter_group(config, runner)
     with torch.device("meta"):
         model = DSparkV4DraftModel(
-            tcfg, dcfg, use_heads, runner.context_length, runner.group,
-            expert_parallel=config.parallel.ep_size > 1,
+            tcfg, dcfg, use_heads, runner.context_length, group,
+            expert_parallel=group.size > 1 and config.parallel.ep_size > 1,
         )  # fmt: skip
     model = keep_fp32_(materialize(model, runner.dtype, runner.device))
-    # The target's (under tensor parallelism, this rank's slices of them).
-    model.embed, model.head = runner.model.embed, runner.model.head
+    if group.size < runner.group.size:  # whole copies on rank 0 (the drafter's own modules)
+        dests = {
+            "embed": ("embed", model.embed.weight.data),
+            "head": ("head", model.head.weight.data),
+        }
+        load_target_vocab(runner, dests, "embed.weight", "head.weight")
+        model.head.post_load()
+    else:  # the target's (under tensor parallelism, this rank's slices of them)
+        model.embed, model.head = runner.model.embed, runner.model.head
     what = f"{dcfg.num_stages}-stage DeepSeek-V4 DSpark drafter"
     load_state(model, checkpoint_files(path), what, fp8_block=tcfg.fp8_block)
     pack_weights(model.stages)

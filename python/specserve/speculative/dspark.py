@@ -136,7 +136,7 @@ class DSparkProposer(Proposer):
             else:
                 profile = True
         shard = None
-        if runner.group.size > 1:
+        if config.draft_tp_size > 1:
             shard = attach_draft_shard(config, runner, loaded, kv)
         proposer = cls(
             model, block, kv, blocks, spec.confidence_threshold, sps, config.random_seed,

@@ -12,7 +12,7 @@ from specserve.speculative.base import Proposer
 logger = logging.getLogger(__name__)
 
 NGRAM_DEFAULT_DRAFT_TOKENS = 8
-_DSPARK_ONLY = ("draft_model_path", "block_size", "sps_table_path")
+_DSPARK_ONLY = ("draft_model_path", "block_size", "sps_table_path", "draft_tp_size")
 
 
 def warn_unused(spec: SpecConfig) -> None:
