@@ -101,6 +101,12 @@ def parse_args() -> argparse.Namespace:
         default=1,
         help="every engine (plain too) over this many tensor-parallel ranks",
     )
+    p.add_argument(
+        "--draft-tp-size",
+        type=int,
+        default=None,
+        help="--speculative-draft-tensor-parallel-size of the drafter engines (with --tp-size)",
+    )
     p.add_argument("--output-json", default=None)
     return p.parse_args()
 
@@ -144,7 +150,14 @@ def main() -> int:
         max_total_tokens=max_bs * (args.input_len + args.output_len + 64),
     )
     hot = {} if args.token_map in (None, "none") else {"speculative_token_map": args.token_map}
-    dspark = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": drafter}
+    place = {}  # where every drafter engine's drafter runs
+    if args.draft_tp_size is not None:
+        place["speculative_draft_tensor_parallel_size"] = args.draft_tp_size
+    dspark = {
+        "speculative_algorithm": "DSPARK",
+        "speculative_draft_model_path": drafter,
+        **place,
+    }
     specs = {
         "plain": {},
         "DSPARK": {**dspark, **hot},
@@ -157,6 +170,7 @@ def main() -> int:
             "speculative_algorithm": "DFLASH",
             "speculative_draft_model_path": dflash,
             **hot,
+            **place,
         },
         "NGRAM": {"speculative_algorithm": "NGRAM"},
     }

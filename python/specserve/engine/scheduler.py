@@ -221,7 +221,7 @@ class Scheduler:
                         chain,
                         req.entry_tables,
                         self._draft_pages(req, start, start + len(fed)),
-                    )  # fmt: skip
+                    )
                 )
                 steps.append(ReqStep(req, q_lo, 0, True, drafts, q, verify=True, decoding=True))
                 continue
@@ -233,7 +233,7 @@ class Scheduler:
                     rows,
                     req.entry_tables,
                     self._draft_pages(req, start, end),
-                )  # fmt: skip
+                )
             )
             steps.append(ReqStep(req, q_lo, num_in, sample, decoding=decoding))
         return ScheduledBatch(entries, steps, self.capture_layer_ids)

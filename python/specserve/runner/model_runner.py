@@ -338,7 +338,10 @@ class ModelRunner:
         hidden, captured = self.model(
             inputs.input_ids, inputs.meta, self.attn_backend, batch.capture_layer_ids
         )
-        cap = torch.cat(captured, dim=-1) if captured else None  # [T, m * d]
+        # Rank 0's proposer reads the captured layers; a split drafter's
+        # context comes from them on every rank.
+        keep = self.group.is_first or inputs.draft_context is not None
+        cap = torch.cat(captured, dim=-1) if captured and keep else None  # [T, m * d]
         if inputs.draft_context is not None:
             assert cap is not None and self.draft_shard is not None
             rows, positions, slots = inputs.draft_context
