@@ -27,6 +27,7 @@ class OracleProposer(Proposer):
         self.planned: dict[str, list[int]] = {}
         self.observed: dict[str, list[int]] = {}
         self.last_len: dict[str, int] = {}
+        self.last_committed: dict[str, int] = {}  # by verify rounds, at the last proposal
 
     def propose(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> DraftProposal:
         out = []
@@ -37,6 +38,7 @@ class OracleProposer(Proposer):
                     len(r.output_ids) - self.last_len[r.rid] - 1
                 )
             self.last_len[r.rid] = len(r.output_ids)
+            self.last_committed[r.rid] = r.spec.committed
             known = self.continuations.get(r.rid, [])
             truth = known[len(r.output_ids) : len(r.output_ids) + limit]
             cut = self.schedule[len(plan) % len(self.schedule)]
@@ -46,6 +48,15 @@ class OracleProposer(Proposer):
             plan.append(min(cut, len(drafts)))
             out.append(drafts)
         return DraftProposal(out, [None] * len(reqs))
+
+    def release(self, req: Req) -> None:
+        """A finished request's last round is observed here (nothing is
+        proposed after it; a plain step may follow it)."""
+        self.last_len.pop(req.rid, None)
+        last = self.last_committed.pop(req.rid, None)
+        if last is not None and req.finished and req.spec.committed > last:
+            self.observed.setdefault(req.rid, []).append(req.spec.committed - last - 1)
+        super().release(req)
 
 
 class VerifyRecorder:

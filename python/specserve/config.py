@@ -330,8 +330,13 @@ class SpecConfig:
     num_draft_tokens: int | None = None
     # Static verify length: drafts up to the first confidence below this (0: all).
     confidence_threshold: float = 0.0
-    schedule: str = "static"  # or "budget" (the paper's verify-token budget)
-    sps_table_path: str | None = None  # budget mode: steps/s per verify batch size
+    # Verify lengths chosen each step by one cost model (speculative/planner.py),
+    # down to plain steps; False: the fixed lengths of ``schedule``.
+    adaptive: bool = True
+    # With adaptive off: "static" (threshold or whole blocks) or "budget" (the
+    # cost model refines each drafted round, never skipping the drafter).
+    schedule: str = "static"
+    sps_table_path: str | None = None  # the cost model's step-cost table (JSON)
     ngram_max_match: int = 4
     ngram_min_match: int = 1
     # DSpark/DFlash: the hot vocabulary drafts come from (SGLang's token map).
@@ -361,6 +366,10 @@ class SpecConfig:
             raise ValueError(
                 f"speculative_dspark_confidence_threshold must be in [0, 1], got {self.confidence_threshold}"
             )
+        if isinstance(self.adaptive, str):  # the flag's spelling
+            if self.adaptive not in ("on", "off"):
+                raise ValueError(f"speculative_adaptive must be on or off, got {self.adaptive!r}")
+            object.__setattr__(self, "adaptive", self.adaptive == "on")
         if self.schedule not in ("static", "budget"):
             raise ValueError(
                 f"speculative_dspark_schedule must be static or budget, got {self.schedule!r}"
@@ -392,6 +401,7 @@ SUB_CONFIGS = ("cache", "scheduler", "limits", "spec", "parallel")
 # Flat engine-argument names (SGLang's) of the SpecConfig fields.
 SPEC_ARG_NAMES = {
     "speculative_algorithm": "algorithm",
+    "speculative_adaptive": "adaptive",
     "speculative_draft_model_path": "draft_model_path",
     "speculative_dspark_block_size": "block_size",
     "speculative_num_draft_tokens": "num_draft_tokens",

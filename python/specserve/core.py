@@ -112,6 +112,9 @@ class Req:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_q: torch.Tensor | None = None  # [len(spec_token_ids), V]
     spec: SpecStats = field(default_factory=lambda: SpecStats())
+    # Its conditional acceptance estimate per draft position (the cost
+    # model's, speculative/planner.py); None: the engine's.
+    accept_rates: list[float] | None = None
 
     def set_drafts(self, tokens: list[int], q: torch.Tensor | None = None) -> None:
         self.spec_token_ids, self.spec_draft_q = tokens, q

@@ -160,7 +160,7 @@ def test_tp2_equals_tp1(models, case, tmp_path) -> None:
         got_drafts = _record_drafts(two)
         got = _run(two)
         assert two.free_pages() == two.total_pages()
-        assert not budget or two.proposer.sps is not None
+        assert not budget or two.core.spec.planner is not None
     with Engine(model_path=models[model], **kw) as one:
         want_drafts = _record_drafts(one)
         want = _run(one)

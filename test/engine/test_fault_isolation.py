@@ -26,7 +26,7 @@ PARAMS = [
     {"temperature": 0.7, "top_k": 20, "seed": 2**64 - 1, "max_new_tokens": 10},
 ]
 POISON = {"temperature": 0, "max_new_tokens": 10}
-POISON_IDS = [9, 8, 7, 6]
+POISON_IDS = [9, 8, 7, 9, 8, 7, 9, 8]  # NGRAM drafts for it from the start
 FAULT = "RuntimeError: injected fault"
 
 

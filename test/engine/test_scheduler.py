@@ -151,11 +151,12 @@ def test_drafts_are_scheduled_as_tokens_with_their_kv() -> None:
     assert entry.logit_rows == [0, 1, 2, 3] and st.verify and st.drafts == [7, 8, 9]
     assert len(r.page_table) * 4 >= 6 + 4  # room for the anchor and its drafts
     assert r.spec_token_ids == []  # consumed
-    # Without drafts a decoding step is still a chain (of the anchor alone).
+    # Without drafts a decoding step is a plain one: the anchor, sampled.
     r.num_computed = 7
     r.output_ids.append(5)
     b = s.schedule()
-    assert b.entries[0].token_ids == [5] and b.steps[0].verify and b.steps[0].drafts == []
+    assert b.entries[0].token_ids == [5] and not b.steps[0].verify and b.steps[0].drafts == []
+    assert b.steps[0].decoding and b.steps[0].sample
     r.num_computed = 8
     r.output_ids.append(6)
     r.set_drafts([1, 2])

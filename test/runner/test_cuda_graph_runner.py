@@ -240,7 +240,7 @@ def test_the_budget_schedule_profiles_the_captured_verify_forwards(monkeypatch, 
     try:
         proposer, graphs = eng.proposer, eng.runner.graphs
         assert graphs is not None and proposer.graphs is not None
-        assert proposer.sps is not None and proposer.profile_for is None
+        assert eng.core.spec.planner is not None
         # The profile's verify chains of every batch size, as replays.
         chain = proposer.max_drafts + 1
         assert {GraphShape(chain, 1), GraphShape(chain, 2)} <= set(graphs.replays)

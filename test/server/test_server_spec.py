@@ -71,3 +71,32 @@ def test_accept_length_in_server_info_and_metrics(spec_server) -> None:
     metrics = spec_server.http.get("/metrics").text
     line = next(x for x in metrics.splitlines() if x.startswith("specserve_spec_accept_length "))
     assert float(line.split()[1]) == pytest.approx(info["mean_accept_length"])
+
+
+def test_the_cost_models_decisions_in_server_info_and_metrics(spec_server) -> None:
+    """The adaptive planner (on by default) reports its steps: the drafts
+    histogram in /metrics counts every decode step /get_server_info counts,
+    its 0 bucket the plain ones."""
+    spec_server.http.post(
+        "/generate", json={"text": "again", "sampling_params": {"max_new_tokens": 8}}
+    )
+    body = spec_server.http.get("/get_server_info").json()
+    info, stats = body["speculative"], body["stats"]
+    assert info["adaptive"] is True and stats["spec_steps"] > 0
+    assert info["plain_step_share"] == pytest.approx(
+        stats["spec_plain_steps"] / stats["spec_steps"]
+    )
+    per_step = {int(k): v for k, v in stats["spec_drafts_per_step"].items()}
+    assert sum(per_step.values()) == stats["spec_steps"]
+    assert stats["spec_measured_step_seconds"] > 0 and stats["spec_predicted_step_seconds"] > 0
+    metrics = dict(
+        line.rsplit(" ", 1) for line in spec_server.http.get("/metrics").text.splitlines()
+        if line.startswith("specserve_spec_") and not line.startswith("#")
+    )  # fmt: skip
+    # Scraped after server_info: no step ran in between (the server is idle).
+    assert int(metrics["specserve_spec_drafts_per_step_count"]) == stats["spec_steps"]
+    assert int(metrics['specserve_spec_drafts_per_step_bucket{le="0"}']) == per_step.get(0, 0)
+    assert int(metrics["specserve_spec_drafts_per_step_sum"]) == sum(
+        k * v for k, v in per_step.items()
+    )
+    assert int(float(metrics["specserve_spec_plain_steps_total"])) == stats["spec_plain_steps"]

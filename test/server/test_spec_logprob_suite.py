@@ -270,7 +270,9 @@ def test_streaming_equals_non_streaming(pair) -> None:
         for x in c.choices[0].logprobs.token_logprobs
     ]
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
-    assert lps == full.choices[0].logprobs.token_logprobs
+    # The planner's lengths follow measured times, so a token may be scored in
+    # a verify chain once and by a decode step the other time: float rounding.
+    assert lps == pytest.approx(full.choices[0].logprobs.token_logprobs, abs=1e-5)
     ckw = dict(
         model=model,
         messages=[{"role": "user", "content": "repeat after me"}],
@@ -286,7 +288,8 @@ def test_streaming_equals_non_streaming(pair) -> None:
         if c.choices and c.choices[0].logprobs
         for i in c.choices[0].logprobs.content
     ]
-    assert [(i.token, i.logprob) for i in items] == [
-        (i.token, i.logprob) for i in chat.choices[0].logprobs.content
-    ]
+    assert [i.token for i in items] == [i.token for i in chat.choices[0].logprobs.content]
+    assert [i.logprob for i in items] == pytest.approx(
+        [i.logprob for i in chat.choices[0].logprobs.content], abs=1e-5
+    )
     assert len(items) == chat.usage.completion_tokens

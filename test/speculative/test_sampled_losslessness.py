@@ -171,7 +171,9 @@ def test_sampled_tokens_follow_the_exact_target_distribution(
     rate = sum(a for _, a in chains) / len(drafted)
     residual = sum(a < len(d) for d, a in chains) / len(chains)
     assert rate_band[0] < rate < rate_band[1], rate
-    assert 0.6 < residual < 0.85, residual  # measured 0.70 and 0.76: both branches decide
+    # Measured 0.70 and 0.87 (rounds drafting nothing are plain steps, not
+    # chains): both branches decide.
+    assert 0.6 < residual < 0.95, residual
 
     probs = exact_probs(plain, outputs)
     stats = [chi_square(outputs, probs, j) for j in range(1, NEW)]

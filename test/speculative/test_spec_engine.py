@@ -117,16 +117,20 @@ def test_greedy_output_equals_plain_decoding(plain, drafters, name) -> None:
         taus = recorder.taus(dict(zip(rids, expected)))
         for rid, o in zip(rids, outs):
             meta = o["meta_info"]
-            assert (meta["spec_verify_ct"], meta["spec_accept_length"]) == pytest.approx(taus[rid])
+            # (A request that never drafted took plain steps only: no rounds.)
+            want = taus.get(rid, (0, 0.0))
+            assert (meta["spec_verify_ct"], meta["spec_accept_length"]) == pytest.approx(want)
         rounds = sum(n for n, _ in taus.values())
         tau = sum(n * t for n, t in taus.values()) / rounds
         assert eng.stats()["spec_accept_length"] == pytest.approx(tau)
         # Measured: the random drafters get almost nothing accepted (tau 1.0,
-        # gated 1.007); the lookup 1.15, most of it on the repeating prompt.
-        low, high = (1.1, 1.2) if "ngram" in name else (1.0, 1.05)
+        # gated 1.007); the lookup 1.51 over the rounds it drafts (a step
+        # without a match is a plain one), most of it on the repeating prompt.
+        # ngram-first 1.16 (the drafter drafts where the lookup has nothing).
+        low, high = {"ngram": (1.35, 1.7), "dspark-ngram-first": (1.1, 1.2)}.get(name, (1.0, 1.05))
         assert low <= tau <= high, tau
         if name == "dspark-budget":
-            assert eng.proposer.sps is not None  # profiled at start-up
+            assert eng.core.spec.planner is not None  # profiled at start-up
         assert_all_free(eng)
     finally:
         eng.shutdown()
@@ -345,14 +349,20 @@ def test_budget_profile_is_saved_and_reused(drafters, tmp_path) -> None:
     try:
         assert table.exists()
         saved = json.loads(table.read_text())
-        assert len(saved) >= 2 and all(v > 0 for v in saved.values())
+        block = eng.proposer.max_drafts
+        assert saved["counts"][0] == 1 and saved["chains"] == sorted({1, 2, 4, block + 1})
+        assert all(t > 0 for row in saved["seconds"] for t in row)
+        eng.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY)
+        decided = dict(eng.core.spec.planner.stats.drafts)
     finally:
         eng.shutdown()
     again = engine(cfg)  # reads the file instead of profiling
     try:
-        assert again.proposer.sps(int(next(iter(saved)))) > 0
-        out = again.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY)
-        assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in out)
+        assert again.core.spec.planner.costs.times == saved["seconds"]
+        again.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY)
+        # Without the online correction, one table decides alike run after run.
+        assert dict(again.core.spec.planner.stats.drafts) == decided
+        assert sum(decided.values()) > 0
     finally:
         again.shutdown()
 

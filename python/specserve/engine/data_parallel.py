@@ -149,7 +149,7 @@ class DataParallelEngine:
                     for k, v in st[key].items():
                         merged[k] = merged.get(k, 0) + v
                 out[key] = merged
-            elif isinstance(value, int):
+            elif isinstance(value, (int, float)):
                 out[key] = sum(st[key] for st in per)
         out["kv_usage"] = (out["total_pages"] - out["free_pages"]) / out["total_pages"]
         rounds = out["spec_verify_rounds"]

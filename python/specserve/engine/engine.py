@@ -28,6 +28,7 @@ from specserve.runner.model_runner import ModelRunner
 from specserve.runner.tp_worker import start_workers
 from specserve.speculative.base import Proposer
 from specserve.speculative.factory import build_proposer, load_drafter
+from specserve.speculative.planner import build_planner
 from specserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -137,9 +138,11 @@ class Engine:
         )
         self.proposer = proposer or build_proposer(self.config, self.runner, drafter)
         self.capture_graphs()
-        if self.proposer is not None:
-            self.proposer.profile(self.runner)
-        self.core = EngineCore(self.config, self.runner, self.tokenizer, self.proposer)
+        planner = None
+        if self.proposer is not None:  # profiled over the forwards as they will run
+            p = self.proposer
+            planner = build_planner(self.config, self.runner, p.max_drafts, p.capture_layer_ids)
+        self.core = EngineCore(self.config, self.runner, self.tokenizer, self.proposer, planner)
 
     def _rank_lost(self, why: str) -> None:
         """A worker rank exited (from the launcher's watch thread): the engine
@@ -503,6 +506,7 @@ class Engine:
             ),
             "spec_accept_length": spec.stats.accept_length if spec else None,
             "spec_verify_rounds": spec.stats.rounds if spec else 0,
+            **(spec.planner.stats.to_dict() if spec and spec.planner else {}),
         }
 
     def _handle(self, cmd: tuple[str, Any]) -> None:

@@ -8,6 +8,7 @@ and ``step``.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -38,6 +39,7 @@ from specserve.sampling.metadata import (
 from specserve.sampling.penalties import PenaltyState, apply_logit_bias
 from specserve.sampling.sampler import Sampler
 from specserve.speculative.base import Proposer
+from specserve.speculative.planner import PlannerStats, SpecPlanner
 from specserve.speculative.verify import accept_lengths
 from specserve.tokenizer.detokenizer import Decoder
 
@@ -127,7 +129,10 @@ class EngineCore:
         runner: ModelRunner,
         tokenizer: Decoder,
         proposer: Proposer | None = None,
+        planner: SpecPlanner | None = None,
     ) -> None:
+        """``planner``: the cost model choosing the proposer's verify lengths
+        (None: the proposer's own)."""
         self.config = config
         self.runner = runner
         self.block_pool = BlockPool(runner.num_pages, runner.page_size)
@@ -140,14 +145,16 @@ class EngineCore:
             config.scheduler,
             self.block_pool,
             lookahead=proposer.max_drafts if proposer else 0,
-            on_release=proposer.release if proposer else None,
+            on_release=self._release_spec if proposer else None,
             capture_layer_ids=proposer.capture_layer_ids if proposer else (),
             entry_pools=self.entry_pools,
             retain=groups[0].retain,
             context_pages=proposer.context_pages if proposer else None,
         )
         self.spec = (
-            SpecDecoder(proposer, self.scheduler, config.kernel_backend) if proposer else None
+            SpecDecoder(proposer, self.scheduler, config.kernel_backend, planner)
+            if proposer
+            else None
         )
         self.sampler = Sampler(runner.device, config.random_seed)
         self.staging = HostStaging(runner.device)
@@ -194,6 +201,8 @@ class EngineCore:
         self.scheduler.num_preemptions = 0
         if self.spec is not None:
             self.spec.stats = SpecStats()
+            if self.spec.planner is not None:  # its tables and estimates stay learnt
+                self.spec.planner.stats = PlannerStats()
 
     @property
     def pools(self) -> list[BlockPool]:
@@ -216,11 +225,17 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        start = time.perf_counter()
         self._run(batch)
         if self.spec is not None:
+            self.spec.observe_step(batch, time.perf_counter() - start)
             self._propose([step.req for step in batch.steps])
         self.scheduler.reap_finished()
         return [self._delta(step.req) for step in batch.steps]
+
+    def _release_spec(self, req: Req) -> None:
+        assert self.spec is not None
+        self.spec.release(req)
 
     def _run(self, batch: ScheduledBatch) -> None:
         """Computes the batch's step, then commits it request by request.

@@ -41,8 +41,8 @@ class Scheduler:
         self.block_pool = block_pool
         self.entry_pools = tuple(entry_pools)  # (pool, positions per slot)
         self.retain = retain
-        # Speculation (lookahead > 0): a decoding request's step is a verify
-        # chain, its drafts scheduled as tokens to compute after the anchor.
+        # Speculation (lookahead > 0): a decoding request with drafts steps as
+        # a verify chain, its drafts scheduled as tokens after the anchor.
         self.lookahead = lookahead
         self.on_release = on_release  # drops per-request state kept elsewhere (drafts)
         self.capture_layer_ids = capture_layer_ids  # target layers every forward captures
@@ -57,6 +57,14 @@ class Scheduler:
         """Drafts a round may verify for ``req``: never past its token limit."""
         left = req.sampling.max_new_tokens - len(req.output_ids) - 1
         return max(0, min(self.lookahead, left))
+
+    def next_load(self) -> tuple[int, int]:
+        """What the next step will likely hold, for the cost model: its
+        requests (the running ones) and their tokens other than one per
+        decoding request (the prefill chunks, within the step's budget)."""
+        live = [r for r in self.running if not r.finished]
+        pending = sum(n for r in live if (n := r.seq_len - r.num_computed) > 1)
+        return len(live), min(pending, self.config.chunked_prefill_size)
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -206,9 +214,10 @@ class Scheduler:
                 rows.append(n - 1)
             decoding = n == 1 and sample and num_in == 0 and bool(req.output_ids)
             tokens = req.tokens_from(start, end)
-            if decoding and self.lookahead:
+            if decoding and req.spec_token_ids:
                 # A verify chain: the anchor, then the drafts proposed last step
-                # (consumed here; the pages for them were reserved above).
+                # (consumed here; the pages for them were reserved above). With
+                # none, the step is a plain one, exactly as without speculation.
                 drafts, q = req.spec_token_ids, req.spec_draft_q
                 req.set_drafts([])
                 chain = list(range(1 + len(drafts)))

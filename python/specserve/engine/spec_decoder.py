@@ -15,6 +15,7 @@ features go to the proposer.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -24,6 +25,7 @@ from specserve.engine.output_processor import PendingRuns
 from specserve.engine.scheduler import Scheduler
 from specserve.sampling.metadata import StepRows
 from specserve.speculative.base import Proposer
+from specserve.speculative.planner import SpecPlanner
 from specserve.speculative.verify import Chain, verify_chains
 
 
@@ -33,29 +35,103 @@ class SpecDecoder:
         proposer: Proposer,
         scheduler: Scheduler,
         kernel_backend: str = "auto",
+        planner: SpecPlanner | None = None,
     ) -> None:
         self.proposer = proposer
         self.scheduler = scheduler
         self.kernel_backend = kernel_backend
+        # The cost model choosing verify lengths; None: the proposer's own.
+        self.planner = planner
         self.stats = SpecStats()  # request-rounds, over the engine's life
+        self._confidence: dict[str, list[float]] = {}  # of drafts still to verify
+        self._draft_seconds = 0.0  # drafting for the coming step
+        self._committed = 0  # by the decoding requests of the step in progress
 
     def propose(self, reqs: Sequence[Req]) -> None:
         """Drafts for the next step of each of ``reqs`` that decodes next (its
         anchor, the last committed token, is not in the KV yet), stored on the
         request: the scheduler schedules them after the anchor. Runs at the
-        end of a step, once its commits (and the features they captured) are in."""
+        end of a step, once its commits (and the features they captured) are in.
+
+        The planner first decides who drafts at all: a request it gives no
+        drafts takes a plain step next, and when nobody drafts, the drafter
+        does not run. A seeded sampled request is pinned to its own lengths
+        (the proposer's, as with ``--speculative-adaptive off``): how many
+        drafts a round verifies changes which random numbers pick its
+        tokens, so the load must not decide it."""
+        self._draft_seconds = 0.0
         todo = [
             r for r in reqs if not r.finished and r.output_ids and r.num_computed == r.seq_len - 1
         ]
         if not todo:
             return
         limits = [self.scheduler.max_drafts(r) for r in todo]
-        proposal = self.proposer.propose(todo, limits)
-        lengths = self.proposer.verify_lengths(proposal)
-        for k, req in enumerate(todo):
-            n = max(0, min(lengths[k], limits[k], len(proposal.tokens[k])))
-            q = proposal.q[k]
-            req.set_drafts(proposal.tokens[k][:n], None if q is None else q[:n])
+        planner = self.planner
+        requests, prefill = self.scheduler.next_load()
+        chosen = limits
+        pinned = [r.sampling.seed is not None and not r.sampling.greedy for r in todo]
+        if planner is not None:
+            free = [k for k, p in enumerate(pinned) if not p]
+            extra = prefill + sum(limits[k] + 1 for k, p in enumerate(pinned) if p)
+            picks = planner.before_draft(
+                [todo[k].accept_rates for k in free],
+                [limits[k] for k in free],
+                requests,
+                extra,
+                drafting=len(todo) - len(free),
+            )
+            chosen = list(limits)
+            for k, n in zip(free, picks):
+                chosen[k] = n
+                if n == 0:
+                    todo[k].accept_rates = planner.drift(todo[k].accept_rates)
+        picked = [k for k, n in enumerate(chosen) if n > 0]
+        if not picked:
+            return
+        drafting = [todo[k] for k in picked]
+        start = time.perf_counter()
+        proposal = self.proposer.propose(drafting, [limits[k] for k in picked])
+        seconds = time.perf_counter() - start
+        self._draft_seconds = seconds
+        lengths = self.proposer.verify_lengths(proposal)  # a user's threshold
+        conf = proposal.confidence
+        if planner is not None:
+            planner.observe_draft(len(drafting), seconds)
+            if conf is not None:  # this round's own estimates, the draft paid
+                survival = [  # a pinned chain is sure to be verified
+                    [1.0] * len(c) if pinned[k] else planner.calibrated(c)
+                    for c, k in zip(conf, picked)
+                ]
+                refined = planner.after_draft(survival, requests, len(todo) + prefill)
+            else:
+                refined = [chosen[k] for k in picked]
+            lengths = [a if pinned[k] else min(a, b) for a, b, k in zip(lengths, refined, picked)]
+        for j, req in enumerate(drafting):
+            n = max(0, min(lengths[j], limits[picked[j]], len(proposal.tokens[j])))
+            q = proposal.q[j]
+            req.set_drafts(proposal.tokens[j][:n], None if q is None else q[:n])
+            if planner is not None and conf is not None and n:
+                self._confidence[req.rid] = conf[j][:n]
+
+    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """The step just run, measured: the planner's tables learn from it."""
+        committed, self._committed = self._committed, 0
+        if self.planner is None:
+            return
+        self.planner.observe_step(
+            requests=len(batch.steps),
+            tokens=sum(len(e.token_ids) for e in batch.entries),
+            decoding=sum(s.decoding for s in batch.steps),
+            drafts=sum(len(s.drafts) for s in batch.steps if s.verify),
+            committed=committed,
+            seconds=seconds,
+            draft_seconds=self._draft_seconds,
+        )
+
+    def release(self, req: Req) -> None:
+        """The request's speculative state goes (finished, aborted, preempted)."""
+        self._confidence.pop(req.rid, None)
+        self.proposer.release(req)
 
     def verify(
         self,
@@ -96,11 +172,18 @@ class SpecDecoder:
         ``features``: the captured features of the entry's tokens; ``committed``:
         the tokens this step committed to the request."""
         req, fed = step.req, len(entry.token_ids)
+        if step.decoding:
+            self._committed += committed
         if step.verify:
             req.spec.add(committed)
             self.stats.add(committed)
+            conf = self._confidence.pop(req.rid, None)
             if req.finished:
                 return  # its pages and draft state go with it
+            if self.planner is not None:
+                req.accept_rates = self.planner.observe_round(
+                    req.accept_rates, len(step.drafts), committed - 1, conf
+                )
             # Not finished, so nothing was cut: the anchor and the accepted
             # drafts are now KV; the last committed token is the next anchor.
             fed = committed

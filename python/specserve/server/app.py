@@ -161,6 +161,11 @@ def _spec_info(engine: Engine | DataParallelEngine) -> dict[str, Any] | None:
         "max_drafts": engine.proposer.max_drafts,
         "mean_accept_length": st["spec_accept_length"],
         "verify_rounds": st["spec_verify_rounds"],
+        "adaptive": engine.config.spec.adaptive,
+        # The cost model's decisions (stats has the rest of its counters).
+        "plain_step_share": (
+            st["spec_plain_steps"] / st["spec_steps"] if st.get("spec_steps") else None
+        ),
     }
 
 

@@ -235,6 +235,13 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
         help="verify chain length, anchor included (DSpark: block size + 1; n-gram: default 8)",
     )
     g.add_argument(
+        "--speculative-adaptive",
+        choices=("on", "off"),
+        default="on",
+        help="on: each step's verify lengths from one cost model (expected tokens per "
+        "predicted second), down to plain steps with no drafter forward; off: fixed lengths",
+    )
+    g.add_argument(
         "--speculative-dspark-confidence-threshold",
         type=float,
         default=0.0,
@@ -244,12 +251,14 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
         "--speculative-dspark-schedule",
         choices=("static", "budget"),
         default="static",
-        help="budget: choose ragged verify lengths by expected tokens per second",
+        help="with --speculative-adaptive off: static (threshold or whole blocks) or budget "
+        "(the cost model trims each drafted round)",
     )
     g.add_argument(
         "--speculative-dspark-sps-table-path",
         default=None,
-        help="budget mode: JSON {verify batch tokens: steps/s} (default: profiled at start-up)",
+        help="the cost model's step-cost table (JSON): read if it exists, else profiled at "
+        "start-up and written there",
     )
     g.add_argument(
         "--speculative-token-map",

@@ -22,9 +22,12 @@ from specserve.engine.engine_core import RequestOutput
 from specserve.engine.request_factory import GenerateRequest
 from specserve.engine.result import ResultCollector
 from specserve.server.errors import APIError, error_body, from_value_error
-from specserve.server.metrics import Histogram, Registry, Sampled
+from specserve.server.metrics import Histogram, Registry, Sampled, SampledHistogram
 
 logger = logging.getLogger(__name__)
+
+# Bounds of the drafts-per-step histogram.
+DRAFT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -88,6 +91,8 @@ class ServerContext:
                     _reader(stats, "spec_verify_rounds"),
                 )
             )
+        if "spec_steps" in stats():  # the cost model decides the verify lengths
+            self._add_planner_metrics(stats)
         m.add(
             Sampled(
                 "specserve_requests_total",
@@ -97,6 +102,29 @@ class ServerContext:
                 label="finish_reason",
             )
         )
+
+    def _add_planner_metrics(self, stats: Callable[[], dict[str, Any]]) -> None:
+        m = self.metrics
+        m.add(
+            SampledHistogram(
+                "specserve_spec_drafts_per_step",
+                "Drafts verified per decode step, as the cost model chose (0: a plain step).",
+                _reader(stats, "spec_drafts_per_step"),
+                DRAFT_BUCKETS,
+            )
+        )
+        for name, help, key in (
+            ("specserve_spec_plain_steps_total", "Decode steps verifying no drafts.",
+             "spec_plain_steps"),
+            ("specserve_spec_forced_plain_steps_total",
+             "Decode steps the safety net made plain.", "spec_forced_plain_steps"),
+            ("specserve_spec_predicted_step_seconds_total",
+             "The cost model's predicted seconds of the measured steps.",
+             "spec_predicted_step_seconds"),
+            ("specserve_spec_measured_step_seconds_total",
+             "Measured seconds of the same steps.", "spec_measured_step_seconds"),
+        ):  # fmt: skip
+            m.add(Sampled(name, help, "counter", _reader(stats, key)))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

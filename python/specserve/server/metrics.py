@@ -33,6 +33,31 @@ class Histogram:
         return lines
 
 
+class SampledHistogram:
+    """A histogram over counts read at scrape time (``{value: times seen}``)."""
+
+    def __init__(
+        self,
+        name: str,
+        help: str,
+        read: Callable[[], dict[int, int]],
+        buckets: Sequence[float],
+    ) -> None:
+        self.name, self.help, self.read = name, help, read
+        self.bounds = list(buckets)
+
+    def render(self) -> list[str]:
+        seen = self.read()
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        for bound in [*self.bounds, math.inf]:
+            le = "+Inf" if bound == math.inf else repr(bound)
+            below = sum(n for v, n in seen.items() if v <= bound)
+            lines.append(f'{self.name}_bucket{{le="{le}"}} {below}')
+        total = sum(v * n for v, n in seen.items())
+        lines += [f"{self.name}_sum {total}", f"{self.name}_count {sum(seen.values())}"]
+        return lines
+
+
 class Sampled:
     """A counter or gauge whose value (or labelled values) is read at scrape time."""
 
@@ -56,11 +81,14 @@ class Sampled:
         return lines
 
 
+Metric = Histogram | Sampled | SampledHistogram
+
+
 class Registry:
     def __init__(self) -> None:
-        self.metrics: list[Histogram | Sampled] = []
+        self.metrics: list[Metric] = []
 
-    def add(self, metric: Histogram | Sampled) -> Histogram | Sampled:
+    def add(self, metric: Metric) -> Metric:
         self.metrics.append(metric)
         return metric
 

@@ -67,10 +67,6 @@ class Proposer(ABC):
         counted with the target's in the engine's free and total pages."""
         return []
 
-    def profile(self, runner: ModelRunner) -> None:  # noqa: B027
-        """Start-up measurements over the target's forwards as they will run
-        (after ``capture_graphs``, whether or not anything was captured)."""
-
     def capture_graphs(self, runner: ModelRunner) -> None:  # noqa: B027
         """Once ``runner`` has captured the target's forwards (``runner.graphs``):
         captures the proposer's own for the same batch buckets with the same

@@ -19,9 +19,7 @@ the context grows.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -46,7 +44,6 @@ from specserve.speculative.block_graphs import (
     eager_block,
     window_attend,
 )
-from specserve.speculative.confidence import SpsTable, budget_lengths, profile_sps, static_lengths
 from specserve.speculative.draft_shard import (
     DraftPlan,
     DraftShard,
@@ -61,11 +58,9 @@ from specserve.speculative.drafter_loader import (
     pool_pages,
 )
 from specserve.speculative.dspark_model import Attend
+from specserve.speculative.planner import static_lengths
 
 logger = logging.getLogger(__name__)
-
-# Cached positions before each chain when profiling verify rounds.
-PROFILE_PREFIX = 256
 
 
 @dataclass
@@ -84,7 +79,7 @@ class DSparkProposer(Proposer):
         kv_pool: KVPool,
         block_pool: BlockPool,
         threshold: float = 0.0,
-        sps: SpsTable | None = None,
+        want_confidence: bool = False,
         seed: int = 0,
         attention_backend: str | None = None,
         shard: DraftShard | None = None,
@@ -105,13 +100,13 @@ class DSparkProposer(Proposer):
         if shard is not None:
             self.context_pages = self._context_pages
         self.threshold = threshold
-        self.sps = sps  # budget mode when set
+        # Confidences only matter when they choose verify lengths (the
+        # threshold, or the engine's cost model).
+        self.want_confidence = model.use_confidence and (want_confidence or threshold > 0)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed + 1)
         self.staging = HostStaging(device)
         self.graphs: DraftBlockGraphs | None = None  # set by capture_graphs
-        # (max_running_requests, table path) of a budget table still to profile.
-        self.profile_for: tuple[int, str | None] | None = None
 
     # ---- construction ----------------------------------------------------------
 
@@ -126,39 +121,17 @@ class DSparkProposer(Proposer):
         model, block = loaded.model, loaded.block_size
         kv = draft_kv_pool(config, runner, loaded)
         blocks = BlockPool(pool_pages(config, runner, loaded), runner.page_size)
-        sps, profile = None, False
-        if spec.schedule == "budget" and not model.use_confidence:
+        if spec.schedule == "budget" and not spec.adaptive and not model.use_confidence:
             logger.warning("budget scheduling needs a confidence head; verifying whole blocks")
-        elif spec.schedule == "budget":
-            path = spec.sps_table_path
-            if path and os.path.exists(path):
-                sps = SpsTable.load(path)
-            else:
-                profile = True
         shard = None
         if config.draft_tp_size > 1:
             shard = attach_draft_shard(config, runner, loaded, kv)
         proposer = cls(
-            model, block, kv, blocks, spec.confidence_threshold, sps, config.random_seed,
+            model, block, kv, blocks, spec.confidence_threshold,
+            spec.adaptive or spec.schedule == "budget", config.random_seed,
             config.attention_backend, shard,
         )  # fmt: skip
-        if profile:
-            # Timed over the forwards that will run: the engine calls ``profile``
-            # once the target's are final (captured or not).
-            proposer.profile_for = (config.scheduler.max_running_requests, spec.sps_table_path)
         return proposer
-
-    def profile(self, runner: ModelRunner) -> None:
-        """The budget schedule's steps-per-second table, if it is still to
-        measure: timed on ``runner`` now (and saved where
-        ``--speculative-dspark-sps-table-path`` says)."""
-        if self.profile_for is None:
-            return
-        max_running, path = self.profile_for
-        self.sps = profile_runner(runner, self.max_drafts, max_running, self.capture_layer_ids)
-        self.profile_for = None
-        if path:  # profiled once, reused by later starts
-            self.sps.save(path)
 
     def capture_graphs(self, runner: ModelRunner) -> None:
         """Captures the block forward with the target's capture and buckets
@@ -340,15 +313,13 @@ class DSparkProposer(Proposer):
         temps = torch.tensor(
             [r.sampling.temperature if not r.sampling.greedy else 0.0 for r in reqs], device=device
         )
-        # Confidences only matter when they choose verify lengths.
-        needed = self.sps is not None or self.threshold > 0
         tokens, probs, conf = self.model.draft(
             hidden,
             anchors,
             temps,
             [r.generator for r in reqs],
             self.generator,
-            needed,
+            self.want_confidence,
             greedy_rows=[r.sampling.greedy for r in reqs],
         )
         return self._proposal(reqs, max_lens, tokens, probs, conf)
@@ -383,9 +354,7 @@ class DSparkProposer(Proposer):
         )
         self.shard.plans.send_draft(plan.pack())
         try:
-            tokens, probs, conf = self.shard.run(
-                plan, drawing, self.sps is not None or self.threshold > 0
-            )
+            tokens, probs, conf = self.shard.run(plan, drawing, self.want_confidence)
         except Exception as e:  # the other ranks may be in a collective of it
             raise DistributedError(f"rank 0 failed in a tensor-parallel draft: {e!r}") from e
         return self._proposal(reqs, max_lens, tokens, probs, conf)
@@ -411,28 +380,8 @@ class DSparkProposer(Proposer):
     def verify_lengths(self, proposal: DraftProposal) -> list[int]:
         if proposal.confidence is None:
             return [len(t) for t in proposal.tokens]
-        if self.sps is not None:
-            return budget_lengths(proposal.confidence, self.sps)
         return static_lengths(proposal.confidence, self.threshold)
 
 
 def _pending_len(req: Req) -> int:
     return 0 if req.draft_state is None else req.draft_state.pending_len
-
-
-def profile_runner(
-    runner: ModelRunner, block: int, max_running: int, capture_layer_ids: tuple[int, ...] = ()
-) -> SpsTable:
-    """Steps/s of verify forwards of B tokens (chains of block + 1 over a cached
-    prefix, the attention path real rounds take), measured now."""
-    chain = block + 1
-    prefix = max(0, min(PROFILE_PREFIX, runner.context_length - chain))
-    counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_running]
-    sizes = sorted({n * chain for n in counts} | {1})
-    table = profile_sps(
-        lambda tokens: runner.verify_forward(tokens, chain, prefix, capture_layer_ids), sizes
-    )
-    logger.info(
-        "verify steps/s by batch tokens: %s", json.dumps({b: round(table(b), 1) for b in sizes})
-    )
-    return table

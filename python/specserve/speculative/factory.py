@@ -12,7 +12,7 @@ from specserve.speculative.base import Proposer
 logger = logging.getLogger(__name__)
 
 NGRAM_DEFAULT_DRAFT_TOKENS = 8
-_DSPARK_ONLY = ("draft_model_path", "block_size", "sps_table_path", "draft_tp_size")
+_DSPARK_ONLY = ("draft_model_path", "block_size", "draft_tp_size")
 
 
 def warn_unused(spec: SpecConfig) -> None:
@@ -22,6 +22,7 @@ def warn_unused(spec: SpecConfig) -> None:
         f
         for f in (
             *_DSPARK_ONLY,
+            "sps_table_path",
             "confidence_threshold",
             "schedule",
             "ngram_max_match",
@@ -37,6 +38,11 @@ def warn_unused(spec: SpecConfig) -> None:
         unused = []
     else:
         unused = [f for f in set_fields if f.startswith("ngram")]
+    if spec.algorithm is not None:  # the cost model's table, for every algorithm
+        planned = spec.adaptive or spec.schedule == "budget"
+        unused = [f for f in unused if f != "sps_table_path"] + (
+            [] if planned or not spec.sps_table_path else ["sps_table_path"]
+        )
     for name in unused:
         logger.warning(
             "speculative_%s is ignored with speculative_algorithm %s", name, spec.algorithm

@@ -61,6 +61,3 @@ class NgramFirstProposer(Proposer):
 
     def capture_graphs(self, runner) -> None:
         self.drafter.capture_graphs(runner)
-
-    def profile(self, runner) -> None:
-        self.drafter.profile(runner)

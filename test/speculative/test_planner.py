@@ -1,0 +1,354 @@
+"""The cost model that picks each step's verify lengths: the decision
+against a brute-force search, its tables, its online corrections and safety
+net, and engines whose steps it turns plain against plain decoding."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from models_zoo import model_path, random_prompts
+from specserve import Engine
+from specserve.speculative.planner import (
+    PROBE_EVERY,
+    CostTable,
+    SpecPlanner,
+    choose_drafts,
+    profile_costs,
+    static_lengths,
+    survival_of,
+)
+from specserve.tools.tiny_model import make_tiny_dspark
+
+
+def test_static_lengths_stop_at_the_first_low_confidence() -> None:
+    conf = [[0.9, 0.8, 0.3, 0.9], [0.2, 0.9], [0.7, 0.7, 0.7], []]
+    assert static_lengths(conf, 0.5) == [2, 0, 3, 0]
+    assert static_lengths(conf, 0.0) == [4, 2, 3, 0]
+
+
+def test_a_flat_table_verifies_whole_blocks() -> None:
+    survival = [survival_of([0.5] * 4), survival_of([0.1] * 4)]
+    assert choose_drafts(survival, lambda t: 1.0, 2) == [4, 4]
+
+
+def test_a_steep_table_chooses_plain_for_everyone() -> None:
+    survival = [survival_of([0.9] * 4)] * 3
+    # Each token costs as much as the whole plain step.
+    assert choose_drafts(survival, lambda t: float(t), 3) == [0, 0, 0]
+    # The drafter's cost alone can make it plain too.
+    assert choose_drafts(survival, lambda t: 1.0, 3, lambda n: 10.0) == [0, 0, 0]
+
+
+def test_a_mixed_batch_gives_drafts_to_the_confident_first() -> None:
+    survival = [survival_of([0.95] * 4), survival_of([0.2] * 4), survival_of([0.6] * 4)]
+
+    # A plain step of 3 tokens costs 1; every token past 5 costs 0.3.
+    def step(t: int) -> float:
+        return 1.0 + 0.3 * max(0, t - 5)
+
+    lengths = choose_drafts(survival, step, 3)
+    assert lengths[0] >= lengths[2] >= lengths[1]
+    assert lengths[0] > 0 and lengths[1] == 0
+
+
+def goodput(survival, lengths, step, fixed, draft) -> float:
+    expected = len(survival) + sum(sum(s[:k]) for s, k in zip(survival, lengths))
+    seconds = step(fixed + sum(lengths))
+    if draft is not None and any(lengths):
+        seconds += draft(sum(k > 0 for k in lengths))
+    return expected / seconds
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_choice_is_the_best_of_every_prefix_combination(seed) -> None:
+    """Brute force over every (k_1..k_R): none beats the chosen lengths'
+    expected tokens per second, on a staircase (bucketed) cost."""
+    import random
+
+    rng = random.Random(seed)
+    survival = [survival_of([rng.random() for _ in range(3)]) for _ in range(3)]
+    stair = [rng.uniform(0.5, 1.5) for _ in range(4)]
+
+    def step(t: int) -> float:  # constant within buckets of 4 tokens, rising
+        return sum(stair[: 1 + t // 4])
+
+    def draft(n: int) -> float:
+        return 0.2 * n
+
+    chosen = choose_drafts(survival, step, 3, draft)
+    best = max(
+        goodput(survival, ks, step, 3, draft) for ks in itertools.product(range(4), repeat=3)
+    )
+    assert goodput(survival, chosen, step, 3, draft) == pytest.approx(best)
+
+
+def test_the_cost_table_interpolates_and_round_trips(tmp_path) -> None:
+    table = CostTable([1, 4], [1, 8], [[1.0, 2.0], [4.0, 8.0]])
+    assert table(1, 1) == pytest.approx(1.0)
+    assert table(4, 32) == pytest.approx(8.0)
+    assert table(1, 4) == pytest.approx(1.0 + 3 / 7)  # 4 tokens for 1 request
+    assert table(2, 2) == pytest.approx(2.0)  # between 1 and 4 requests at 1 token each
+    assert table(8, 8) == pytest.approx(8.0)  # linear past 4 requests: 1 + 3 * 7 / 3
+    path = tmp_path / "costs.json"
+    table.save(str(path))
+    assert CostTable.load(str(path))(3, 9) == pytest.approx(table(3, 9))
+    (tmp_path / "old.json").write_text(json.dumps({"1": 100.0}))  # the old format
+    with pytest.raises(ValueError, match="sps_table_path"):
+        CostTable.load(str(tmp_path / "old.json"))
+
+
+def test_profiled_tables_are_monotone() -> None:
+    noisy = {(1, 1): 2.0, (1, 4): 1.0, (2, 1): 1.5, (2, 4): 3.0}
+    clock = [0.0]
+
+    def forward(n: int, c: int) -> None:
+        clock[0] += noisy[(n, c)]
+
+    import specserve.speculative.planner as planner
+
+    real = planner.time.perf_counter
+    planner.time.perf_counter = lambda: clock[0]
+    try:
+        table = profile_costs(forward, [1, 2], [1, 4], repeats=1)
+    finally:
+        planner.time.perf_counter = real
+    assert table.times == [[2.0, 2.0], [2.0, 3.0]]
+
+
+def flat_planner(step: float = 1.0) -> SpecPlanner:
+    return SpecPlanner(4, CostTable([1, 64], [1, 8], [[step, step], [step, step]]))
+
+
+def test_the_online_correction_moves_a_wrong_table_toward_measured_times() -> None:
+    planner = flat_planner(0.001)  # 1 ms: ten times too cheap
+    before = planner.step_seconds(4, 4)
+    for _ in range(60):
+        planner.observe_step(4, 4, 4, 0, 4, 0.010, 0.0)
+    after = planner.step_seconds(4, 4)
+    assert before == pytest.approx(0.001)
+    assert after == pytest.approx(0.010, rel=0.05)
+    assert planner.step_seconds(64, 512) == pytest.approx(0.001)  # other cells keep theirs
+
+
+def test_the_safety_net_turns_a_losing_bucket_plain_and_probes_it() -> None:
+    planner = flat_planner()
+    owns, limits = [[0.9] * 4] * 4, [4] * 4
+    assert any(planner.before_draft(owns, limits, 4, 0))  # the model expects gains
+    for _ in range(8):  # measured: speculation commits 4 tokens in 2 s, plain 4 in 1 s
+        planner.observe_step(4, 20, 4, 16, 4, 1.0, 1.0)
+        planner.observe_step(4, 4, 4, 0, 4, 1.0, 0.0)
+    chosen = [planner.before_draft(owns, limits, 4, 0) for _ in range(2 * PROBE_EVERY)]
+    plain = [not any(c) for c in chosen]
+    assert sum(plain) == 2 * PROBE_EVERY - 2  # all plain but the probes
+    assert planner.stats.forced_plain == 2 * PROBE_EVERY - 2
+    # Another load bucket is not affected.
+    assert any(planner.before_draft([[0.9] * 4] * 16, [4] * 16, 16, 0))
+
+
+def test_estimates_follow_acceptance_and_calibrate_confidences() -> None:
+    planner = flat_planner()
+    own = None
+    for _ in range(40):  # every round: the first two drafts accepted, the third rejected
+        own = planner.observe_round(own, 4, 2, [0.5, 0.5, 0.5, 0.5])
+    assert own[0] > 0.95 and own[1] > 0.95 and own[2] < 0.1
+    assert own[3] == pytest.approx(0.6)  # never observed: the prior
+    cal = planner.calibrated([0.5, 0.5, 0.5, 0.5])
+    assert cal[0] == pytest.approx(1.0, abs=0.05)  # 0.5 predicted, ~1 observed
+    assert cal[2] < 0.1
+    drifted = planner.drift(own)
+    assert drifted[2] > own[2]  # toward the engine's estimate
+
+
+# ---- engines --------------------------------------------------------------------------
+
+GREEDY = {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
+PROMPTS = random_prompts(4, [5, 19, 9, 30], seed=61) + [[7, 8, 9, 10] * 5]
+
+
+class Alternating(SpecPlanner):
+    """Drafts on every other decision: plain steps between speculative ones."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width, CostTable([1], [1], [[1.0]]))
+        self.calls = 0
+
+    def before_draft(self, owns, limits, requests, extra, drafting=0):
+        self.calls += 1
+        return list(limits) if self.calls % 2 else [0] * len(limits)
+
+    def after_draft(self, survival, requests, fixed_tokens):
+        return [len(s) for s in survival]
+
+
+@pytest.fixture(scope="module")
+def drafters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("planner-drafters")
+    target = model_path("qwen3")
+    return {
+        "DSPARK": make_tiny_dspark(str(root / "v"), target),
+        "DFLASH": make_tiny_dspark(str(root / "d"), target, markov_rank=0, confidence_head=False),
+    }
+
+
+def engine(**kw) -> Engine:
+    if "speculative_algorithm" in kw:  # the default, which the suite's fixture turns off
+        kw.setdefault("speculative_adaptive", "on")
+    kw.setdefault("max_total_tokens", 4096)
+    kw.setdefault("page_size", 4)
+    return Engine(model_path=model_path("qwen3"), device="cpu", **kw)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs():
+    eng = engine()
+    try:
+        out = eng.generate(
+            input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True, top_logprobs_num=3
+        )
+    finally:
+        eng.shutdown()
+    return out
+
+
+def lp(out) -> list[float]:
+    return [t[0] for t in out["meta_info"]["output_token_logprobs"]]
+
+
+@pytest.mark.parametrize("alg", ["DSPARK", "DFLASH"])
+def test_drafting_resumed_after_plain_steps_is_exact(drafters, plain_outputs, alg) -> None:
+    """Plain steps between rounds (a planner alternating), with chunked
+    prefill and a pool small enough to preempt: ids and logprobs == plain."""
+    eng = engine(
+        speculative_algorithm=alg,
+        speculative_draft_model_path=drafters[alg],
+        chunked_prefill_size=8,
+        max_total_tokens=160,
+    )
+    try:
+        eng.core.spec.planner = Alternating(eng.proposer.max_drafts)
+        outs = eng.generate(
+            input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True, top_logprobs_num=3
+        )
+        for o, p in zip(outs, plain_outputs):
+            assert o["output_ids"] == p["output_ids"]
+            assert lp(o) == pytest.approx(lp(p), abs=1e-5)
+        stats = eng.stats()
+        assert 0 < stats["spec_plain_steps"] < stats["spec_steps"]
+        assert stats["spec_verify_rounds"] > 0 and stats["preemptions"] > 0
+    finally:
+        eng.shutdown()
+
+
+def test_sampling_resumed_after_plain_steps_scores_as_plain(drafters) -> None:
+    """Sampled output under plain steps and rounds mixed: each token's
+    logprob is what plain decoding's scoring of the same text gives. (No
+    seed: a seeded request is pinned to its own lengths.)"""
+    sp = {"temperature": 0.8, "max_new_tokens": 16, "ignore_eos": True}
+    eng = engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafters["DSPARK"])
+    try:
+        eng.core.spec.planner = Alternating(eng.proposer.max_drafts)
+        outs = eng.generate(input_ids=PROMPTS[:3], sampling_params=sp, return_logprob=True)
+    finally:
+        eng.shutdown()
+    plain = engine()
+    try:
+        for prompt, o in zip(PROMPTS[:3], outs):
+            scored = plain.generate(
+                input_ids=prompt + o["output_ids"],
+                sampling_params={"max_new_tokens": 1, "temperature": 0},
+                return_logprob=True,
+                logprob_start_len=len(prompt) - 1,
+            )
+            expected = [t[0] for t in scored["meta_info"]["input_token_logprobs"]][1:]
+            assert lp(o) == pytest.approx(expected, abs=1e-5)
+    finally:
+        plain.shutdown()
+
+
+def test_a_plain_step_runs_no_drafter_and_no_extra_copy(drafters, plain_outputs) -> None:
+    """A table on which drafts never pay: every step plain, the drafter never
+    runs, and each step reads the device back once, as a plain engine does."""
+    eng = engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafters["DSPARK"])
+    ref = engine()
+    try:
+        # Every token costs as much as a whole step.
+        eng.core.spec.planner = SpecPlanner(
+            eng.proposer.max_drafts, CostTable([1, 64], [1, 8], [[1.0, 8.0], [64.0, 512.0]])
+        )
+        calls = {"propose": 0}
+        inner = eng.proposer.propose
+
+        def propose(*a, **kw):
+            calls["propose"] += 1
+            return inner(*a, **kw)
+
+        eng.proposer.propose = propose
+        fetches = {}
+        for name, e in (("spec", eng), ("plain", ref)):
+            staging, real = e.core.staging, e.core.staging.fetch
+            fetches[name] = [0]
+
+            def counted(tensors, real=real, n=fetches[name]):
+                n[0] += 1
+                return real(tensors)
+
+            staging.fetch = counted
+        outs = eng.generate(
+            input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True, top_logprobs_num=3
+        )
+        again = ref.generate(
+            input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True, top_logprobs_num=3
+        )
+        assert calls["propose"] == 0
+        assert fetches["spec"][0] == fetches["plain"][0]
+        for o, p, q in zip(outs, again, plain_outputs):
+            assert o["output_ids"] == p["output_ids"] == q["output_ids"]
+            assert lp(o) == pytest.approx(lp(p), abs=1e-6)
+        stats = eng.stats()
+        assert stats["spec_steps"] == stats["spec_plain_steps"] > 0
+        assert stats["spec_verify_rounds"] == 0
+    finally:
+        eng.shutdown()
+        ref.shutdown()
+
+
+def test_a_seeded_request_keeps_its_tokens_whatever_the_load(drafters) -> None:
+    """A seeded sampled request verifies its own lengths however the planner
+    decides for the rest (here: plain for everyone), so its tokens are the
+    fixed-length engine's, alone or beside a batch."""
+    seeded = {"temperature": 0.8, "max_new_tokens": 16, "ignore_eos": True, "seed": 11}
+    others = [{**GREEDY, "max_new_tokens": 16}] * (len(PROMPTS) - 1)
+    kw = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": drafters["DSPARK"]}
+    fixed = engine(**kw, speculative_adaptive="off")
+    try:
+        want = fixed.generate(input_ids=PROMPTS[0], sampling_params=seeded)["output_ids"]
+    finally:
+        fixed.shutdown()
+    eng = engine(**kw)
+    try:
+        eng.core.spec.planner = SpecPlanner(  # every token costs as much as a whole step
+            eng.proposer.max_drafts, CostTable([1, 64], [1, 8], [[1.0, 8.0], [64.0, 512.0]])
+        )
+        alone = eng.generate(input_ids=PROMPTS[0], sampling_params=seeded)["output_ids"]
+        batch = eng.generate(input_ids=PROMPTS, sampling_params=[seeded, *others])
+        assert alone == batch[0]["output_ids"] == want
+        stats = eng.stats()
+        assert stats["spec_verify_rounds"] > 0 and stats["spec_plain_steps"] > 0
+    finally:
+        eng.shutdown()
+
+
+def test_the_default_engine_profiles_its_table_and_stays_exact(drafters, plain_outputs) -> None:
+    eng = engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafters["DSPARK"])
+    try:
+        planner = eng.core.spec.planner
+        assert planner is not None and planner.gate
+        assert planner.costs.counts[0] == 1 and planner.costs.chains[0] == 1
+        outs = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == [p["output_ids"] for p in plain_outputs]
+        assert eng.stats()["spec_steps"] > 0
+    finally:
+        eng.shutdown()
