@@ -12,6 +12,7 @@ import pytest
 from models_zoo import model_path, random_prompts
 from specserve import Engine
 from specserve.speculative.planner import (
+    PRIOR,
     PROBE_EVERY,
     CostTable,
     SpecPlanner,
@@ -154,12 +155,26 @@ def test_estimates_follow_acceptance_and_calibrate_confidences() -> None:
     for _ in range(40):  # every round: the first two drafts accepted, the third rejected
         own = planner.observe_round(own, 4, 2, [0.5, 0.5, 0.5, 0.5])
     assert own[0] > 0.95 and own[1] > 0.95 and own[2] < 0.1
-    assert own[3] == pytest.approx(0.6)  # never observed: the prior
+    assert own[3] == pytest.approx(PRIOR)  # never observed: the prior
     cal = planner.calibrated([0.5, 0.5, 0.5, 0.5])
     assert cal[0] == pytest.approx(1.0, abs=0.05)  # 0.5 predicted, ~1 observed
     assert cal[2] < 0.1
     drifted = planner.drift(own)
     assert drifted[2] > own[2]  # toward the engine's estimate
+
+
+def test_estimates_recover_while_nobody_drafts() -> None:
+    """Rejections at high load must not keep a later, lighter load from
+    speculating: while every step is plain, the engine's estimates move back
+    to the prior, and a table on which drafts pay gets them again."""
+    steep = SpecPlanner(4, CostTable([1, 64], [1, 8], [[1.0, 8.0], [64.0, 512.0]]))
+    steep.rates = [0.05] * 4
+    for _ in range(100):
+        assert not any(steep.before_draft([None], [4], 1, 0))
+    assert steep.rates == pytest.approx([PRIOR] * 4, abs=0.01)
+    flat = flat_planner()
+    flat.rates = steep.rates
+    assert any(flat.before_draft([None], [4], 1, 0))
 
 
 # ---- engines --------------------------------------------------------------------------

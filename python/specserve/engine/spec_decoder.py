@@ -46,6 +46,7 @@ class SpecDecoder:
         self._confidence: dict[str, list[float]] = {}  # of drafts still to verify
         self._draft_seconds = 0.0  # drafting for the coming step
         self._committed = 0  # by the decoding requests of the step in progress
+        self._drafted: set[str] = set()  # the requests drafting for the coming step
 
     def propose(self, reqs: Sequence[Req]) -> None:
         """Drafts for the next step of each of ``reqs`` that decodes next (its
@@ -60,6 +61,7 @@ class SpecDecoder:
         drafts a round verifies changes which random numbers pick its
         tokens, so the load must not decide it."""
         self._draft_seconds = 0.0
+        drafted, self._drafted = self._drafted, set()
         todo = [
             r for r in reqs if not r.finished and r.output_ids and r.num_computed == r.seq_len - 1
         ]
@@ -95,8 +97,10 @@ class SpecDecoder:
         self._draft_seconds = seconds
         lengths = self.proposer.verify_lengths(proposal)  # a user's threshold
         conf = proposal.confidence
+        self._drafted = {r.rid for r in drafting}
         if planner is not None:
-            planner.observe_draft(len(drafting), seconds)
+            if self._drafted <= drafted:  # no context to catch up: the steady cost
+                planner.observe_draft(len(drafting), seconds)
             if conf is not None:  # this round's own estimates, the draft paid
                 survival = [  # a pinned chain is sure to be verified
                     [1.0] * len(c) if pinned[k] else planner.calibrated(c)

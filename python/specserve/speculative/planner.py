@@ -50,8 +50,14 @@ ALPHA = 0.1
 # cost of being wrong: the drafter's forward for nothing).
 MARGIN = 0.02
 # Per step, a request not drafting moves its estimates this far toward the
-# engine-wide ones: an estimate that went stale at high load recovers.
+# engine-wide ones, and those (when nobody drafts) toward the prior: an
+# estimate that went stale at high load recovers, and is measured again once
+# the costs let it draft.
 DRIFT = 0.05
+# The acceptance assumed before any is measured: optimistic, so that a new
+# engine speculates and measures (the measured costs hold it back where
+# speculation cannot pay, whatever the estimates).
+PRIOR = 0.8
 # A bucket the safety net turned plain tries speculation every this many
 # decisions; one that speculates measures a plain step as often.
 PROBE_EVERY = 32
@@ -136,10 +142,17 @@ class CostTable:
         self.times = [list(row) for row in times]
 
     def __call__(self, requests: int, tokens: int) -> float:
+        return self.curve(requests, tokens, 1)[0]
+
+    def curve(self, requests: int, first: int, n: int) -> list[float]:
+        """Seconds at ``requests`` of ``first``, ``first + 1`` .. ``first + n - 1``
+        tokens: the counts interpolated once, then each along the chains."""
         requests = max(requests, 1)
-        per = max(tokens, requests) / requests
-        row = [_lerp(self.chains, t, per) for t in self.times]
-        return max(_lerp(self.counts, row, requests), 1e-9)
+        at = [_lerp(self.counts, col, requests) for col in zip(*self.times)]
+        return [
+            max(_lerp(self.chains, at, max(t, requests) / requests), 1e-9)
+            for t in range(first, first + n)
+        ]
 
     def to_dict(self) -> dict:
         return {"counts": self.counts, "chains": self.chains, "seconds": self.times}
@@ -161,6 +174,8 @@ class CostTable:
 
 
 def _lerp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    """Linear through (xs, ys), extended past the ends (proportionally when
+    there is one point)."""
     if len(xs) == 1:
         return ys[0] * (x / xs[0] if x > xs[0] else 1.0)
     i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
@@ -242,12 +257,13 @@ class PlannerStats:
 class SpecPlanner:
     """Decides each step's verify lengths (see the module's docstring)."""
 
-    def __init__(self, width: int, costs: CostTable, gate: bool = True, prior: float = 0.6):
+    def __init__(self, width: int, costs: CostTable, gate: bool = True, prior: float = PRIOR):
         """``width``: the most drafts a round verifies; ``gate``: decide before
         drafting (adaptive), else only refine what was drafted."""
         self.width = width
         self.costs = costs
         self.gate = gate
+        self.prior = prior
         self.rates = [prior] * width  # engine-wide conditional acceptance per position
         # Calibration of confidences per position: EMA of accepted and of predicted.
         self.cal_acc = [_Ewma() for _ in range(width)]
@@ -303,10 +319,16 @@ class SpecPlanner:
     # ---- costs -----------------------------------------------------------------------
 
     def step_seconds(self, requests: int, tokens: int) -> float:
-        cell = self._cell(requests, tokens)
-        fix = self.correction.get(cell)
-        scale = fix.value if fix is not None and fix.value is not None else 1.0
-        return self.costs(requests, tokens) * scale
+        return self.step_curve(requests, tokens, 1)[0]
+
+    def step_curve(self, requests: int, first: int, n: int) -> list[float]:
+        """``step_seconds`` at ``first`` .. ``first + n - 1`` tokens."""
+        out = self.costs.curve(requests, first, n)
+        for k in range(n):
+            fix = self.correction.get(self._cell(requests, first + k))
+            if fix is not None and fix.value is not None:
+                out[k] *= fix.value
+        return out
 
     def draft_seconds(self, n: int) -> float:
         """The drafter for ``n`` requests: its bucket's measured seconds, else
@@ -348,27 +370,29 @@ class SpecPlanner:
             return [0] * len(owns)  # measure what plain gets at this load
         survival = [survival_of(self.estimates(o)[:k]) for o, k in zip(owns, limits)]
         fixed = len(owns) + extra
+        curve = self.step_curve(requests, fixed, sum(limits) + 1)
         paid = self.draft_seconds(drafting) if drafting else 0.0
-        return choose_drafts(
-            survival,
-            lambda t: self.step_seconds(requests, t),
-            fixed,
-            lambda n: max(self.draft_seconds(n + drafting) - paid, 0.0),
-            MARGIN,
+        draft = [max(self.draft_seconds(n + drafting) - paid, 0.0) for n in range(len(owns) + 1)]
+        lengths = choose_drafts(
+            survival, lambda t: curve[t - fixed], fixed, draft.__getitem__, MARGIN
         )
+        if not any(lengths):  # nobody verifies: the engine's estimates recover
+            self.rates = [r + DRIFT * (self.prior - r) for r in self.rates]
+        return lengths
 
     def after_draft(
         self, survival: Sequence[Sequence[float]], requests: int, fixed_tokens: int
     ) -> list[int]:
         """Refines the lengths of what was drafted (its cost is paid);
         ``fixed_tokens``: the next step's tokens with no drafts."""
-        return choose_drafts(survival, lambda t: self.step_seconds(requests, t), fixed_tokens)
+        curve = self.step_curve(requests, fixed_tokens, sum(map(len, survival)) + 1)
+        return choose_drafts(survival, lambda t: curve[t - fixed_tokens], fixed_tokens)
 
     def _losing(self, load: int) -> bool:
         spec, plain = self.goodput.get((load, True)), self.goodput.get((load, False))
         if spec is None or plain is None or spec.value is None or plain.value is None:
             return False
-        return spec.count >= 4 and plain.count >= 2 and spec.value < plain.value
+        return spec.count >= 8 and plain.count >= 2 and spec.value < plain.value
 
     def _unmeasured_plain(self, load: int) -> bool:
         plain = self.goodput.get((load, False))
