@@ -12,15 +12,17 @@ import pytest
 from models_zoo import model_path, random_prompts
 from specserve import Engine
 from specserve.speculative.planner import (
+    NET_PLAIN,
+    NET_SPEC,
     PRIOR,
     PROBE_EVERY,
-    CostTable,
+    PROBE_STEPS,
     SpecPlanner,
     choose_drafts,
-    profile_costs,
     static_lengths,
     survival_of,
 )
+from specserve.speculative.step_costs import CostTable, profile_costs
 from specserve.tools.tiny_model import make_tiny_dspark
 
 
@@ -108,14 +110,7 @@ def test_profiled_tables_are_monotone() -> None:
     def forward(n: int, c: int) -> None:
         clock[0] += noisy[(n, c)]
 
-    import specserve.speculative.planner as planner
-
-    real = planner.time.perf_counter
-    planner.time.perf_counter = lambda: clock[0]
-    try:
-        table = profile_costs(forward, [1, 2], [1, 4], repeats=1)
-    finally:
-        planner.time.perf_counter = real
+    table = profile_costs(forward, [1, 2], [1, 4], repeats=1, clock=lambda: clock[0])
     assert table.times == [[2.0, 2.0], [2.0, 3.0]]
 
 
@@ -134,19 +129,75 @@ def test_the_online_correction_moves_a_wrong_table_toward_measured_times() -> No
     assert planner.step_seconds(64, 512) == pytest.approx(0.001)  # other cells keep theirs
 
 
-def test_the_safety_net_turns_a_losing_bucket_plain_and_probes_it() -> None:
+def test_one_slow_step_moves_the_correction_by_a_factor_not_to_itself() -> None:
+    """A first launch or a stall 20x the table must not make the cell look
+    20x dearer (which once kept a batch-1 engine plain for hundreds of
+    steps); steps as the table says keep it there."""
+    planner = flat_planner(0.001)
+    planner.observe_step(1, 4, 1, 3, 2, 0.020, 0.0)
+    assert 0.001 < planner.step_seconds(1, 4) < 0.0015
+    for _ in range(30):
+        planner.observe_step(1, 4, 1, 3, 2, 0.001, 0.0)
+    assert planner.step_seconds(1, 4) == pytest.approx(0.001, rel=0.05)
+
+
+def losing_planner() -> tuple[SpecPlanner, list, list]:
+    """A planner whose model expects gains at 4 requests, measured there:
+    speculation commits 4 tokens in 2 s, plain 4 in 1 s."""
     planner = flat_planner()
     owns, limits = [[0.9] * 4] * 4, [4] * 4
-    assert any(planner.before_draft(owns, limits, 4, 0))  # the model expects gains
-    for _ in range(8):  # measured: speculation commits 4 tokens in 2 s, plain 4 in 1 s
+    assert any(planner.before_draft(owns, limits, 4, 0))
+    for _ in range(NET_SPEC):
         planner.observe_step(4, 20, 4, 16, 4, 1.0, 1.0)
+    for _ in range(NET_PLAIN):
         planner.observe_step(4, 4, 4, 0, 4, 1.0, 0.0)
-    chosen = [planner.before_draft(owns, limits, 4, 0) for _ in range(2 * PROBE_EVERY)]
-    plain = [not any(c) for c in chosen]
-    assert sum(plain) == 2 * PROBE_EVERY - 2  # all plain but the probes
-    assert planner.stats.forced_plain == 2 * PROBE_EVERY - 2
+    return planner, owns, limits
+
+
+def test_the_safety_net_turns_a_losing_bucket_plain_and_backs_off_its_probes() -> None:
+    planner, owns, limits = losing_planner()
+    plain = [not any(planner.before_draft(owns, limits, 4, 0)) for _ in range(4 * PROBE_EVERY)]
+    # Forced plain, then the model decides for a probe of PROBE_STEPS in a row;
+    # the probe measured nothing better, so the next one waits twice as long.
+    first, second = PROBE_EVERY - 1, PROBE_EVERY - 1 + PROBE_STEPS + 2 * PROBE_EVERY - 1
+    assert plain[:first] == [True] * first
+    assert plain[first : first + PROBE_STEPS] == [False] * PROBE_STEPS
+    assert plain[first + PROBE_STEPS : second] == [True] * (second - first - PROBE_STEPS)
+    assert plain[second : second + PROBE_STEPS] == [False] * PROBE_STEPS
+    assert planner.stats.forced_plain == plain.count(True)
     # Another load bucket is not affected.
     assert any(planner.before_draft([[0.9] * 4] * 16, [4] * 16, 16, 0))
+
+
+def test_a_probe_that_measures_gains_gives_the_bucket_back_to_the_model() -> None:
+    planner, owns, limits = losing_planner()
+    for _ in range(PROBE_EVERY - 1):
+        assert not any(planner.before_draft(owns, limits, 4, 0))
+    for _ in range(PROBE_STEPS):  # the probe: speculation now commits 16 tokens in 2 s
+        assert any(planner.before_draft(owns, limits, 4, 0))
+        planner.observe_step(4, 20, 4, 16, 16, 1.0, 1.0)
+    assert all(any(planner.before_draft(owns, limits, 4, 0)) for _ in range(2 * PROBE_EVERY))
+    assert planner.stats.forced_plain == PROBE_EVERY - 1
+
+
+def test_a_bucket_measures_plain_now_and_then_until_it_knows_it() -> None:
+    planner = flat_planner()
+    owns, limits = [[0.9] * 4] * 4, [4] * 4
+    plain = [not any(planner.before_draft(owns, limits, 4, 0)) for _ in range(2 * PROBE_EVERY)]
+    assert [i for i, p in enumerate(plain) if p] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
+    for _ in range(NET_PLAIN):
+        planner.observe_step(4, 4, 4, 0, 4, 1.0, 0.0)
+    assert all(any(planner.before_draft(owns, limits, 4, 0)) for _ in range(2 * PROBE_EVERY))
+    assert planner.stats.forced_plain == 0
+
+
+def test_reset_forgets_what_was_learnt_but_keeps_the_table() -> None:
+    planner, owns, limits = losing_planner()
+    planner.observe_round(None, 4, 0, [0.5] * 4)
+    planner.reset()
+    assert planner.rates == [PRIOR] * 4 and not planner.correction and not planner.nets
+    assert planner.step_seconds(4, 4) == pytest.approx(1.0)
+    assert any(planner.before_draft(owns, limits, 4, 0))
 
 
 def test_estimates_follow_acceptance_and_calibrate_confidences() -> None:

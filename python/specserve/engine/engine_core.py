@@ -39,7 +39,7 @@ from specserve.sampling.metadata import (
 from specserve.sampling.penalties import PenaltyState, apply_logit_bias
 from specserve.sampling.sampler import Sampler
 from specserve.speculative.base import Proposer
-from specserve.speculative.planner import PlannerStats, SpecPlanner
+from specserve.speculative.planner import SpecPlanner
 from specserve.speculative.verify import accept_lengths
 from specserve.tokenizer.detokenizer import Decoder
 
@@ -201,8 +201,8 @@ class EngineCore:
         self.scheduler.num_preemptions = 0
         if self.spec is not None:
             self.spec.stats = SpecStats()
-            if self.spec.planner is not None:  # its tables and estimates stay learnt
-                self.spec.planner.stats = PlannerStats()
+            if self.spec.planner is not None:  # its profiled table stays
+                self.spec.planner.reset()
 
     @property
     def pools(self) -> list[BlockPool]:

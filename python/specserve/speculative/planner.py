@@ -25,24 +25,17 @@ plain, probing now and then.
 
 from __future__ import annotations
 
-import bisect
-import json
-import logging
 import math
 import os
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
+from specserve.speculative.step_costs import CostTable, profile_step_costs
 
 if TYPE_CHECKING:  # the planner imports no stage at run time
     from specserve.config import EngineConfig
     from specserve.runner.model_runner import ModelRunner
-
-logger = logging.getLogger(__name__)
 
 # EWMA weight of one new observation.
 ALPHA = 0.1
@@ -58,9 +51,21 @@ DRIFT = 0.05
 # engine speculates and measures (the measured costs hold it back where
 # speculation cannot pay, whatever the estimates).
 PRIOR = 0.8
-# A bucket the safety net turned plain tries speculation every this many
-# decisions; one that speculates measures a plain step as often.
-PROBE_EVERY = 32
+# A correction of the step table takes one measurement as at most this
+# factor off (a first launch, a stall), whatever it measured.
+MAX_CORRECTION = 16.0
+# The safety net: a load bucket goes plain once its speculative steps (at
+# least NET_SPEC of them) measure NET_MARGIN less goodput than its plain ones
+# (at least NET_PLAIN); goodputs are decayed sums, GOODPUT_ALPHA per step.
+NET_MARGIN = 0.03
+NET_SPEC, NET_PLAIN = 32, 4
+GOODPUT_ALPHA = 0.05
+# A losing bucket lets the model decide again for PROBE_STEPS decisions in a
+# row (one speculative step alone would pay the drafter's catch-up) after
+# PROBE_EVERY forced plain ones; a probe that loses doubles the wait, up to
+# PROBE_MAX. A bucket with too few plain measurements takes one plain step
+# every PROBE_EVERY decisions to measure it.
+PROBE_EVERY, PROBE_STEPS, PROBE_MAX = 32, 8, 512
 
 
 # ---- the decision ----------------------------------------------------------------------
@@ -123,97 +128,6 @@ def static_lengths(confidence: Sequence[Sequence[float]], threshold: float) -> l
     return lengths
 
 
-# ---- the step cost ---------------------------------------------------------------------
-
-
-class CostTable:
-    """Seconds of a target step over (requests, tokens), profiled at
-    ``counts`` requests of ``chains`` tokens each; linear in between (per
-    request's tokens within a count, then across counts) and past the ends."""
-
-    def __init__(
-        self, counts: Sequence[int], chains: Sequence[int], times: Sequence[Sequence[float]]
-    ):
-        if not counts or not chains or any(len(row) != len(chains) for row in times):
-            raise ValueError("a cost table needs one time per (requests, tokens per request)")
-        if len(times) != len(counts) or any(t <= 0 for row in times for t in row):
-            raise ValueError("a cost table needs positive seconds for every profiled cell")
-        self.counts, self.chains = list(counts), list(chains)
-        self.times = [list(row) for row in times]
-
-    def __call__(self, requests: int, tokens: int) -> float:
-        return self.curve(requests, tokens, 1)[0]
-
-    def curve(self, requests: int, first: int, n: int) -> list[float]:
-        """Seconds at ``requests`` of ``first``, ``first + 1`` .. ``first + n - 1``
-        tokens: the counts interpolated once, then each along the chains."""
-        requests = max(requests, 1)
-        at = [_lerp(self.counts, col, requests) for col in zip(*self.times)]
-        return [
-            max(_lerp(self.chains, at, max(t, requests) / requests), 1e-9)
-            for t in range(first, first + n)
-        ]
-
-    def to_dict(self) -> dict:
-        return {"counts": self.counts, "chains": self.chains, "seconds": self.times}
-
-    @classmethod
-    def load(cls, path: str) -> CostTable:
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-            return cls(raw["counts"], raw["chains"], raw["seconds"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(
-                f"speculative_dspark_sps_table_path: cannot read a cost table from {path!r}: {e!r}"
-            ) from None
-
-    def save(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-
-
-def _lerp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
-    """Linear through (xs, ys), extended past the ends (proportionally when
-    there is one point)."""
-    if len(xs) == 1:
-        return ys[0] * (x / xs[0] if x > xs[0] else 1.0)
-    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-
-
-def profile_costs(
-    forward: Callable[[int, int], None],
-    counts: Sequence[int],
-    chains: Sequence[int],
-    repeats: int = 3,
-) -> CostTable:
-    """Times ``forward(requests, tokens per request)`` (median of ``repeats``
-    after a warm-up) per cell, made non-decreasing along both axes."""
-    times = []
-    with torch.inference_mode():
-        for _ in range(2):  # the largest step first: memory it touches the first time
-            forward(counts[-1], chains[-1])
-        for n in counts:
-            row = []
-            for c in chains:
-                forward(n, c)
-                runs = []
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    forward(n, c)
-                    runs.append(time.perf_counter() - start)
-                row.append(max(statistics.median(runs), 1e-9))
-            times.append(row)
-    for i in range(len(counts)):  # monotone: more tokens or requests never cost less
-        for j in range(len(chains)):
-            up = times[i - 1][j] if i else 0.0
-            left = times[i][j - 1] if j else 0.0
-            times[i][j] = max(times[i][j], up, left)
-    return CostTable(counts, chains, times)
-
-
 def bucket(n: int) -> int:
     """log2 load bucket: 1, 2-3, 4-7, ..."""
     return max(n, 1).bit_length() - 1
@@ -227,6 +141,67 @@ class _Ewma:
     def add(self, x: float) -> None:
         self.value = x if self.value is None else self.value + ALPHA * (x - self.value)
         self.count += 1
+
+
+@dataclass
+class _Goodput:
+    """Committed tokens per second over recent steps: decayed sums, so that a
+    slow step weighs by its seconds."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    count: int = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = (1 - GOODPUT_ALPHA) * self.tokens + tokens
+        self.seconds = (1 - GOODPUT_ALPHA) * self.seconds + seconds
+        self.count += 1
+
+    @property
+    def value(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _SafetyNet:
+    """One load bucket's measured goodput, speculative against plain, and
+    its probes while speculation loses there."""
+
+    spec: _Goodput = field(default_factory=_Goodput)
+    plain: _Goodput = field(default_factory=_Goodput)
+    decisions: int = 0
+    wait: int = PROBE_EVERY  # forced plain decisions before the next probe
+    countdown: int = PROBE_EVERY
+    probing: int = 0  # decisions of the running probe left
+
+    def losing(self) -> bool:
+        return (
+            self.spec.count >= NET_SPEC
+            and self.plain.count >= NET_PLAIN
+            and self.spec.value < (1 - NET_MARGIN) * self.plain.value
+        )
+
+    def verdict(self) -> str | None:
+        """Before a decision: ``"plain"`` (forced, speculation loses here),
+        ``"measure"`` (a plain step to measure plain) or None (the model
+        decides)."""
+        self.decisions += 1
+        if self.plain.count < NET_PLAIN and self.decisions % PROBE_EVERY == 0:
+            return "measure"
+        if self.probing:
+            self.probing -= 1
+            if not self.probing:  # the probe's outcome sets the next wait
+                self.wait = min(2 * self.wait, PROBE_MAX) if self.losing() else PROBE_EVERY
+                self.countdown = self.wait
+            return None
+        if not self.losing():
+            self.countdown = self.wait
+            return None
+        self.countdown -= 1
+        if self.countdown <= 0:  # this decision and PROBE_STEPS - 1 more
+            self.probing = PROBE_STEPS - 1
+            return None
+        return "plain"
 
 
 # ---- the planner -----------------------------------------------------------------------
@@ -264,14 +239,21 @@ class SpecPlanner:
         self.costs = costs
         self.gate = gate
         self.prior = prior
-        self.rates = [prior] * width  # engine-wide conditional acceptance per position
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets everything learnt online (after the start-up warm-up, whose
+        first launches and made-up prompts say nothing of real steps); the
+        profiled table stays."""
+        self.rates = [self.prior] * self.width  # engine-wide acceptance per position
         # Calibration of confidences per position: EMA of accepted and of predicted.
-        self.cal_acc = [_Ewma() for _ in range(width)]
-        self.cal_conf = [_Ewma() for _ in range(width)]
-        self.correction: dict[tuple[int, int], _Ewma] = {}  # measured / predicted per cell
+        self.cal_acc = [_Ewma() for _ in range(self.width)]
+        self.cal_conf = [_Ewma() for _ in range(self.width)]
+        # log(measured / profiled) per cell: an EWMA in logs, from 0 (the
+        # profile's word), so an outlier moves it by a factor, not to itself.
+        self.correction: dict[tuple[int, int], _Ewma] = {}
         self.draft_cost: dict[int, _Ewma] = {}  # seconds by drafting-requests bucket
-        self.goodput: dict[tuple[int, bool], _Ewma] = {}  # (load bucket, speculative)
-        self.decisions: dict[int, int] = {}  # per load bucket, for probing
+        self.nets: dict[int, _SafetyNet] = {}  # by load bucket
         self.stats = PlannerStats()
 
     # ---- estimates -------------------------------------------------------------------
@@ -326,8 +308,8 @@ class SpecPlanner:
         out = self.costs.curve(requests, first, n)
         for k in range(n):
             fix = self.correction.get(self._cell(requests, first + k))
-            if fix is not None and fix.value is not None:
-                out[k] *= fix.value
+            if fix is not None and fix.value:
+                out[k] *= math.exp(fix.value)
         return out
 
     def draft_seconds(self, n: int) -> float:
@@ -360,14 +342,10 @@ class SpecPlanner:
         (pinned), whose drafter forward is paid already."""
         if not self.gate:
             return list(limits)
-        load = bucket(len(owns) + drafting)
-        self.decisions[load] = self.decisions.get(load, 0) + 1
-        probe = self.decisions[load] % PROBE_EVERY == 0
-        if self._losing(load) and not probe:
-            self.stats.forced_plain += 1
+        verdict = self.nets.setdefault(bucket(len(owns) + drafting), _SafetyNet()).verdict()
+        if verdict is not None:
+            self.stats.forced_plain += int(verdict == "plain")
             return [0] * len(owns)
-        if probe and self._unmeasured_plain(load):
-            return [0] * len(owns)  # measure what plain gets at this load
         survival = [survival_of(self.estimates(o)[:k]) for o, k in zip(owns, limits)]
         fixed = len(owns) + extra
         curve = self.step_curve(requests, fixed, sum(limits) + 1)
@@ -388,16 +366,6 @@ class SpecPlanner:
         curve = self.step_curve(requests, fixed_tokens, sum(map(len, survival)) + 1)
         return choose_drafts(survival, lambda t: curve[t - fixed_tokens], fixed_tokens)
 
-    def _losing(self, load: int) -> bool:
-        spec, plain = self.goodput.get((load, True)), self.goodput.get((load, False))
-        if spec is None or plain is None or spec.value is None or plain.value is None:
-            return False
-        return spec.count >= 8 and plain.count >= 2 and spec.value < plain.value
-
-    def _unmeasured_plain(self, load: int) -> bool:
-        plain = self.goodput.get((load, False))
-        return plain is None or plain.count < 2
-
     # ---- measurements ----------------------------------------------------------------
 
     def observe_draft(self, n: int, seconds: float) -> None:
@@ -417,12 +385,13 @@ class SpecPlanner:
         them decoding with ``drafts`` drafts verified in all, ``committed``
         tokens committed by those, in ``seconds`` (plus ``draft_seconds``
         spent drafting them the step before)."""
-        predicted = self.step_seconds(requests, tokens)
+        cell = self._cell(requests, tokens)
+        raw = self.costs(requests, tokens)
+        fix = self.correction.get(cell)
+        self.stats.predicted_seconds += raw * math.exp(fix.value) if fix and fix.value else raw
         if self.gate:  # without it the saved table decides alone, run after run alike
-            raw = self.costs(requests, tokens)
-            cell = self._cell(requests, tokens)
-            self.correction.setdefault(cell, _Ewma()).add(seconds / max(raw, 1e-12))
-        self.stats.predicted_seconds += predicted
+            ratio = min(max(seconds / max(raw, 1e-12), 1 / MAX_CORRECTION), MAX_CORRECTION)
+            self.correction.setdefault(cell, _Ewma(value=0.0)).add(math.log(ratio))
         self.stats.measured_seconds += seconds
         if not decoding:
             return
@@ -431,37 +400,8 @@ class SpecPlanner:
         if drafts == 0:
             self.stats.plain_steps += 1
         if decoding == requests and math.isfinite(seconds):  # decode-only steps compare
-            key = (bucket(decoding), drafts > 0)
-            self.goodput.setdefault(key, _Ewma()).add(
-                committed / max(seconds + draft_seconds, 1e-12)
-            )
-
-
-# Cached positions before each chain when profiling step costs.
-PROFILE_PREFIX = 256
-
-
-def profile_step_costs(
-    runner: ModelRunner, width: int, max_running: int, capture_layer_ids: tuple[int, ...]
-) -> CostTable:
-    """The cost table over the target's forwards as they will run (captured
-    graphs where they apply): 1 .. ``max_running`` requests (powers of two)
-    of plain (1), short and whole (``width + 1``) verify chains, each over a
-    cached prefix."""
-    counts = sorted({min(2**k, max_running) for k in range(max_running.bit_length() + 1)})
-    chains = sorted({c for c in (1, 2, 4, width + 1) if c <= width + 1})
-    prefix = max(0, min(PROFILE_PREFIX, runner.context_length - width - 1))
-    start = time.perf_counter()
-    table = profile_costs(
-        lambda n, c: runner.verify_forward(n * c, c, prefix, capture_layer_ids), counts, chains
-    )
-    logger.info(
-        "step costs profiled in %.1fs (ms by requests x tokens per request %s): %s",
-        time.perf_counter() - start,
-        chains,
-        json.dumps({n: [round(1e3 * t, 2) for t in row] for n, row in zip(counts, table.times)}),
-    )
-    return table
+            net = self.nets.setdefault(bucket(decoding), _SafetyNet())
+            (net.spec if drafts else net.plain).add(committed, seconds + draft_seconds)
 
 
 def build_planner(

@@ -1,0 +1,135 @@
+"""What a target step costs: a table over (running requests, step tokens),
+profiled at start-up on the forwards real steps run, or read from a file."""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # profiled through the runner, imported by no stage at run time
+    from specserve.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class CostTable:
+    """Seconds of a target step over (requests, tokens), profiled at
+    ``counts`` requests of ``chains`` tokens each; linear in between (per
+    request's tokens within a count, then across counts) and past the ends."""
+
+    def __init__(
+        self, counts: Sequence[int], chains: Sequence[int], times: Sequence[Sequence[float]]
+    ):
+        if not counts or not chains or any(len(row) != len(chains) for row in times):
+            raise ValueError("a cost table needs one time per (requests, tokens per request)")
+        if len(times) != len(counts) or any(t <= 0 for row in times for t in row):
+            raise ValueError("a cost table needs positive seconds for every profiled cell")
+        self.counts, self.chains = list(counts), list(chains)
+        self.times = [list(row) for row in times]
+
+    def __call__(self, requests: int, tokens: int) -> float:
+        return self.curve(requests, tokens, 1)[0]
+
+    def curve(self, requests: int, first: int, n: int) -> list[float]:
+        """Seconds at ``requests`` of ``first``, ``first + 1`` .. ``first + n - 1``
+        tokens: the counts interpolated once, then each along the chains."""
+        requests = max(requests, 1)
+        at = [_lerp(self.counts, col, requests) for col in zip(*self.times)]
+        return [
+            max(_lerp(self.chains, at, max(t, requests) / requests), 1e-9)
+            for t in range(first, first + n)
+        ]
+
+    def to_dict(self) -> dict:
+        return {"counts": self.counts, "chains": self.chains, "seconds": self.times}
+
+    @classmethod
+    def load(cls, path: str) -> CostTable:
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+            return cls(raw["counts"], raw["chains"], raw["seconds"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"speculative_dspark_sps_table_path: cannot read a cost table from {path!r}: {e!r}"
+            ) from None
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+
+def _lerp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    """Linear through (xs, ys), extended past the ends (proportionally when
+    there is one point)."""
+    if len(xs) == 1:
+        return ys[0] * (x / xs[0] if x > xs[0] else 1.0)
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def profile_costs(
+    forward: Callable[[int, int], None],
+    counts: Sequence[int],
+    chains: Sequence[int],
+    repeats: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
+) -> CostTable:
+    """Times ``forward(requests, tokens per request)`` (median of ``repeats``
+    after a warm-up) per cell, made non-decreasing along both axes."""
+    times = []
+    with torch.inference_mode():
+        for _ in range(2):  # the largest step first: memory it touches the first time
+            forward(counts[-1], chains[-1])
+        for n in counts:
+            row = []
+            for c in chains:
+                forward(n, c)
+                runs = []
+                for _ in range(repeats):
+                    start = clock()
+                    forward(n, c)
+                    runs.append(clock() - start)
+                row.append(max(statistics.median(runs), 1e-9))
+            times.append(row)
+    for i in range(len(counts)):  # monotone: more tokens or requests never cost less
+        for j in range(len(chains)):
+            up = times[i - 1][j] if i else 0.0
+            left = times[i][j - 1] if j else 0.0
+            times[i][j] = max(times[i][j], up, left)
+    return CostTable(counts, chains, times)
+
+
+# Cached positions before each chain when profiling step costs.
+PROFILE_PREFIX = 256
+
+
+def profile_step_costs(
+    runner: ModelRunner, width: int, max_running: int, capture_layer_ids: tuple[int, ...]
+) -> CostTable:
+    """The cost table over the target's forwards as they will run (captured
+    graphs where they apply): 1 .. ``max_running`` requests (powers of two)
+    of plain (1), short and whole (``width + 1``) verify chains, each over a
+    cached prefix."""
+    counts = sorted({min(2**k, max_running) for k in range(max_running.bit_length() + 1)})
+    chains = sorted({c for c in (1, 2, 4, width + 1) if c <= width + 1})
+    prefix = max(0, min(PROFILE_PREFIX, runner.context_length - width - 1))
+    start = time.perf_counter()
+    table = profile_costs(
+        lambda n, c: runner.verify_forward(n * c, c, prefix, capture_layer_ids), counts, chains
+    )
+    logger.info(
+        "step costs profiled in %.1fs (ms by requests x tokens per request %s): %s",
+        time.perf_counter() - start,
+        chains,
+        json.dumps({n: [round(1e3 * t, 2) for t in row] for n, row in zip(counts, table.times)}),
+    )
+    return table
