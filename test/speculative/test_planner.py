@@ -147,9 +147,9 @@ def losing_planner() -> tuple[SpecPlanner, list, list]:
     planner = flat_planner()
     owns, limits = [[0.9] * 4] * 4, [4] * 4
     assert any(planner.before_draft(owns, limits, 4, 0))
-    for _ in range(NET_SPEC):
+    for _ in range(NET_SPEC + 1):  # the first of each run is not steady
         planner.observe_step(4, 20, 4, 16, 4, 1.0, 1.0)
-    for _ in range(NET_PLAIN):
+    for _ in range(NET_PLAIN + 1):
         planner.observe_step(4, 4, 4, 0, 4, 1.0, 0.0)
     return planner, owns, limits
 
@@ -183,12 +183,28 @@ def test_a_probe_that_measures_gains_gives_the_bucket_back_to_the_model() -> Non
 def test_a_bucket_measures_plain_now_and_then_until_it_knows_it() -> None:
     planner = flat_planner()
     owns, limits = [[0.9] * 4] * 4, [4] * 4
-    plain = [not any(planner.before_draft(owns, limits, 4, 0)) for _ in range(2 * PROBE_EVERY)]
-    assert [i for i, p in enumerate(plain) if p] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
-    for _ in range(NET_PLAIN):
+    plain = [not any(planner.before_draft(owns, limits, 4, 0)) for _ in range(3 * PROBE_EVERY)]
+    runs = [*range(PROBE_EVERY - 1, PROBE_EVERY + NET_PLAIN)]
+    runs += [*range(2 * PROBE_EVERY - 1, 2 * PROBE_EVERY + NET_PLAIN)]
+    runs += [*range(3 * PROBE_EVERY - 1, 3 * PROBE_EVERY)]
+    assert [i for i, p in enumerate(plain) if p] == runs  # runs of NET_PLAIN + 1
+    for _ in range(NET_PLAIN + 1):
         planner.observe_step(4, 4, 4, 0, 4, 1.0, 0.0)
+    for _ in range(NET_PLAIN):  # the run started last
+        assert not any(planner.before_draft(owns, limits, 4, 0))
     assert all(any(planner.before_draft(owns, limits, 4, 0)) for _ in range(2 * PROBE_EVERY))
     assert planner.stats.forced_plain == 0
+
+
+def test_the_net_compares_steady_runs_not_the_steps_after_a_switch() -> None:
+    """Speculation that alternates with plain steps pays a catch-up on each
+    switch; only steps like the one before them measure a kind's goodput."""
+    planner = flat_planner()
+    for _ in range(3 * NET_SPEC):  # plain, speculative, plain, ...: nothing steady
+        planner.observe_step(4, 4, 4, 0, 4, 1.0, 0.0)
+        planner.observe_step(4, 20, 4, 16, 4, 1.0, 9.0)
+    assert planner.nets[2].spec.count == 0
+    assert planner.nets[2].plain.count == 1  # the very first step (after none)
 
 
 def test_reset_forgets_what_was_learnt_but_keeps_the_table() -> None:
@@ -210,8 +226,12 @@ def test_estimates_follow_acceptance_and_calibrate_confidences() -> None:
     cal = planner.calibrated([0.5, 0.5, 0.5, 0.5])
     assert cal[0] == pytest.approx(1.0, abs=0.05)  # 0.5 predicted, ~1 observed
     assert cal[2] < 0.1
+    other = None
+    for _ in range(20):  # another request whose drafts are all accepted
+        other = planner.observe_round(other, 4, 4, None)
+    assert own[2] < 0.1 < planner.rates[2]  # the engine's estimate is everyone's
     drifted = planner.drift(own)
-    assert drifted[2] > own[2]  # toward the engine's estimate
+    assert own[2] < drifted[2] < planner.rates[2]  # toward the engine's estimate
 
 
 def test_estimates_recover_while_nobody_drafts() -> None:

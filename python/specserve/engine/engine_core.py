@@ -222,10 +222,10 @@ class EngineCore:
         """One step over the scheduled batch. A request whose part of the step
         raises fails alone (finish ``abort``); the others go on as if it had
         never been there. Only device errors (``is_fatal``) propagate."""
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        start = time.perf_counter()
         self._run(batch)
         if self.spec is not None:
             self.spec.observe_step(batch, time.perf_counter() - start)

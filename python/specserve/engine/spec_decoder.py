@@ -60,7 +60,15 @@ class SpecDecoder:
         (the proposer's, as with ``--speculative-adaptive off``): how many
         drafts a round verifies changes which random numbers pick its
         tokens, so the load must not decide it."""
-        self._draft_seconds = 0.0
+        start = time.perf_counter()
+        try:
+            self._propose(reqs)
+        finally:
+            # All of it (decisions included) is the next step's cost, as
+            # plain steps pay their decisions.
+            self._draft_seconds = time.perf_counter() - start
+
+    def _propose(self, reqs: Sequence[Req]) -> None:
         drafted, self._drafted = self._drafted, set()
         todo = [
             r for r in reqs if not r.finished and r.output_ids and r.num_computed == r.seq_len - 1
@@ -93,14 +101,10 @@ class SpecDecoder:
         drafting = [todo[k] for k in picked]
         start = time.perf_counter()
         proposal = self.proposer.propose(drafting, [limits[k] for k in picked])
-        seconds = time.perf_counter() - start
-        self._draft_seconds = seconds
         lengths = self.proposer.verify_lengths(proposal)  # a user's threshold
         conf = proposal.confidence
         self._drafted = {r.rid for r in drafting}
         if planner is not None:
-            if self._drafted <= drafted:  # no context to catch up: the steady cost
-                planner.observe_draft(len(drafting), seconds)
             if conf is not None:  # this round's own estimates, the draft paid
                 survival = [  # a pinned chain is sure to be verified
                     [1.0] * len(c) if pinned[k] else planner.calibrated(c)
@@ -116,6 +120,8 @@ class SpecDecoder:
             req.set_drafts(proposal.tokens[j][:n], None if q is None else q[:n])
             if planner is not None and conf is not None and n:
                 self._confidence[req.rid] = conf[j][:n]
+        if planner is not None and self._drafted <= drafted:  # nothing to catch up: steady
+            planner.observe_draft(len(drafting), time.perf_counter() - start)
 
     def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
         """The step just run, measured: the planner's tables learn from it."""

@@ -63,8 +63,8 @@ GOODPUT_ALPHA = 0.05
 # A losing bucket lets the model decide again for PROBE_STEPS decisions in a
 # row (one speculative step alone would pay the drafter's catch-up) after
 # PROBE_EVERY forced plain ones; a probe that loses doubles the wait, up to
-# PROBE_MAX. A bucket with too few plain measurements takes one plain step
-# every PROBE_EVERY decisions to measure it.
+# PROBE_MAX. A bucket with too few plain measurements takes NET_PLAIN + 1
+# plain steps in a row every PROBE_EVERY decisions to measure them.
 PROBE_EVERY, PROBE_STEPS, PROBE_MAX = 32, 8, 512
 
 
@@ -86,19 +86,19 @@ def choose_drafts(
     requests (None: already paid). A choice with drafts must beat the plain
     step by ``margin`` (relative)."""
     ranked = sorted(
-        ((s, j, i) for i, row in enumerate(survival) for j, s in enumerate(row, start=1)),
-        key=lambda t: (-t[0], t[1], t[2]),
+        (-s, j, i) for i, row in enumerate(survival) for j, s in enumerate(row, start=1)
     )
     base = float(len(survival))
     plain = base / max(step_seconds(fixed_tokens), 1e-12)
     best, best_b = plain * (1.0 + margin), 0
-    expected, drafting = base, set()
-    for b, (s, _, i) in enumerate(ranked, start=1):
-        expected += s
-        drafting.add(i)
+    expected, seen, drafting = base, [False] * len(survival), 0
+    for b, (neg, _, i) in enumerate(ranked, start=1):
+        expected -= neg
+        if not seen[i]:
+            seen[i], drafting = True, drafting + 1
         seconds = step_seconds(fixed_tokens + b)
         if draft_seconds is not None:
-            seconds += draft_seconds(len(drafting))
+            seconds += draft_seconds(drafting)
         rate = expected / max(seconds, 1e-12)
         if rate > best:
             best, best_b = rate, b
@@ -173,6 +173,7 @@ class _SafetyNet:
     wait: int = PROBE_EVERY  # forced plain decisions before the next probe
     countdown: int = PROBE_EVERY
     probing: int = 0  # decisions of the running probe left
+    measuring: int = 0  # plain decisions left of a run measuring plain
 
     def losing(self) -> bool:
         return (
@@ -183,10 +184,13 @@ class _SafetyNet:
 
     def verdict(self) -> str | None:
         """Before a decision: ``"plain"`` (forced, speculation loses here),
-        ``"measure"`` (a plain step to measure plain) or None (the model
-        decides)."""
+        ``"measure"`` (plain, to measure plain) or None (the model decides)."""
         self.decisions += 1
+        if self.measuring:
+            self.measuring -= 1
+            return "measure"
         if self.plain.count < NET_PLAIN and self.decisions % PROBE_EVERY == 0:
+            self.measuring = NET_PLAIN  # a run, whose first step is not steady
             return "measure"
         if self.probing:
             self.probing -= 1
@@ -254,6 +258,7 @@ class SpecPlanner:
         self.correction: dict[tuple[int, int], _Ewma] = {}
         self.draft_cost: dict[int, _Ewma] = {}  # seconds by drafting-requests bucket
         self.nets: dict[int, _SafetyNet] = {}  # by load bucket
+        self._last_spec = False  # whether the last decode step verified drafts
         self.stats = PlannerStats()
 
     # ---- estimates -------------------------------------------------------------------
@@ -275,7 +280,7 @@ class SpecPlanner:
         own = self.estimates(own)
         for j in range(min(accepted + 1, verified)):
             hit = 1.0 if j < accepted else 0.0
-            own[j] += 2 * ALPHA * (hit - own[j])  # a request's own moves faster
+            own[j] += ALPHA * (hit - own[j])
             self.rates[j] += ALPHA * (hit - self.rates[j])
             if confidence is not None and j < len(confidence):
                 self.cal_acc[j].add(hit)
@@ -306,10 +311,16 @@ class SpecPlanner:
     def step_curve(self, requests: int, first: int, n: int) -> list[float]:
         """``step_seconds`` at ``first`` .. ``first + n - 1`` tokens."""
         out = self.costs.curve(requests, first, n)
-        for k in range(n):
-            fix = self.correction.get(self._cell(requests, first + k))
+        r = max(requests, 1)
+        k = 0
+        while k < n:  # one cell per run of tokens per request in one bucket
+            tokens_bucket = bucket(max(first + k, 1) // r)
+            end = min(n, (1 << (tokens_bucket + 1)) * r - first)
+            fix = self.correction.get((bucket(r), tokens_bucket))
             if fix is not None and fix.value:
-                out[k] *= math.exp(fix.value)
+                f = math.exp(fix.value)
+                out[k:end] = [t * f for t in out[k:end]]
+            k = max(end, k + 1)
         return out
 
     def draft_seconds(self, n: int) -> float:
@@ -319,6 +330,19 @@ class SpecPlanner:
         b = bucket(n)
         known = [k for k, e in self.draft_cost.items() if k <= b and e.value is not None]
         return self.draft_cost[max(known)].value if known else 0.0  # type: ignore[return-value]
+
+    def _draft_curve(self, paid: int, n: int) -> list[float]:
+        """``draft_seconds(paid + k) - draft_seconds(paid)`` for k in 0 .. n:
+        the drafter's extra cost of k more requests when ``paid`` draft anyway."""
+        known = sorted((b, e.value) for b, e in self.draft_cost.items() if e.value is not None)
+        out, at, last = [], 0, 0.0
+        for m in range(paid, paid + n + 1):
+            while at < len(known) and known[at][0] <= bucket(m):
+                last = known[at][1]
+                at += 1
+            out.append(last if m else 0.0)
+        base = out[0]
+        return [max(t - base, 0.0) for t in out]
 
     def _cell(self, requests: int, tokens: int) -> tuple[int, int]:
         return bucket(requests), bucket(max(tokens, 1) // max(requests, 1))
@@ -349,8 +373,7 @@ class SpecPlanner:
         survival = [survival_of(self.estimates(o)[:k]) for o, k in zip(owns, limits)]
         fixed = len(owns) + extra
         curve = self.step_curve(requests, fixed, sum(limits) + 1)
-        paid = self.draft_seconds(drafting) if drafting else 0.0
-        draft = [max(self.draft_seconds(n + drafting) - paid, 0.0) for n in range(len(owns) + 1)]
+        draft = self._draft_curve(drafting, len(owns))
         lengths = choose_drafts(
             survival, lambda t: curve[t - fixed], fixed, draft.__getitem__, MARGIN
         )
@@ -384,7 +407,7 @@ class SpecPlanner:
         """A measured step: ``requests`` of ``tokens`` in all, ``decoding`` of
         them decoding with ``drafts`` drafts verified in all, ``committed``
         tokens committed by those, in ``seconds`` (plus ``draft_seconds``
-        spent drafting them the step before)."""
+        spent deciding and drafting them the step before)."""
         cell = self._cell(requests, tokens)
         raw = self.costs(requests, tokens)
         fix = self.correction.get(cell)
@@ -399,9 +422,14 @@ class SpecPlanner:
         self.stats.drafts[drafts] = self.stats.drafts.get(drafts, 0) + 1
         if drafts == 0:
             self.stats.plain_steps += 1
-        if decoding == requests and math.isfinite(seconds):  # decode-only steps compare
+        spec = drafts > 0
+        steady, self._last_spec = spec == self._last_spec, spec
+        # Decode-only steps compare, each kind only in a run of its own: the
+        # first speculative step pays the drafter's catch-up, and the first
+        # plain one (on a CPU) the caches the drafter's forward took.
+        if decoding == requests and math.isfinite(seconds) and steady:
             net = self.nets.setdefault(bucket(decoding), _SafetyNet())
-            (net.spec if drafts else net.plain).add(committed, seconds + draft_seconds)
+            (net.spec if spec else net.plain).add(committed, seconds + draft_seconds)
 
 
 def build_planner(

@@ -42,10 +42,21 @@ class CostTable:
         tokens: the counts interpolated once, then each along the chains."""
         requests = max(requests, 1)
         at = [_lerp(self.counts, col, requests) for col in zip(*self.times)]
-        return [
-            max(_lerp(self.chains, at, max(t, requests) / requests), 1e-9)
-            for t in range(first, first + n)
-        ]
+        xs = self.chains
+        if len(xs) == 1:
+            return [
+                max(_lerp(xs, at, max(t, requests) / requests), 1e-9)
+                for t in range(first, first + n)
+            ]
+        # The tokens only grow: walk the chain segments instead of searching each.
+        out, i = [], 1
+        for t in range(first, first + n):
+            x = max(t, requests) / requests
+            while i < len(xs) - 1 and x > xs[i]:
+                i += 1
+            x0, x1, y0 = xs[i - 1], xs[i], at[i - 1]
+            out.append(max(y0 + (at[i] - y0) * (x - x0) / (x1 - x0), 1e-9))
+        return out
 
     def to_dict(self) -> dict:
         return {"counts": self.counts, "chains": self.chains, "seconds": self.times}
