@@ -141,6 +141,22 @@ def test_one_slow_step_moves_the_correction_by_a_factor_not_to_itself() -> None:
     assert planner.step_seconds(1, 4) == pytest.approx(0.001, rel=0.05)
 
 
+def test_an_unmeasured_drafter_load_is_priced_from_the_measured_ones() -> None:
+    """A load the drafter never ran at is not free (the first rounds at 32
+    requests once cost a sweep 8%): a power law through the measured
+    buckets, between and past them; below them the smallest's cost."""
+    planner = flat_planner()
+    assert planner.draft_seconds(8) == 0.0  # nothing measured: optimistic
+    planner.observe_draft(1, 0.002)
+    planner.observe_draft(8, 0.008)  # 2x per doubling of 8 = 2**3: slope 2/3
+    assert planner.draft_seconds(1) == pytest.approx(0.002)
+    assert planner.draft_seconds(2) == pytest.approx(0.002 * 2 ** (2 / 3))
+    assert planner.draft_seconds(32) == pytest.approx(0.008 * 4 ** (2 / 3))
+    planner.observe_draft(16, 0.005)  # cheaper than 8: the slope past it is 0, not negative
+    assert planner.draft_seconds(64) == pytest.approx(0.005)
+    assert planner._draft_curve(8, 8)[0] == 0.0  # what is paid anyway costs nothing more
+
+
 def losing_planner() -> tuple[SpecPlanner, list, list]:
     """A planner whose model expects gains at 4 requests, measured there:
     speculation commits 4 tokens in 2 s, plain 4 in 1 s."""

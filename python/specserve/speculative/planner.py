@@ -47,6 +47,9 @@ MARGIN = 0.02
 # estimate that went stale at high load recovers, and is measured again once
 # the costs let it draft.
 DRIFT = 0.05
+# How the drafter's seconds grow per doubling of its requests, in log2,
+# while only one bucket is measured (0: flat, 1: linear).
+DRAFT_SLOPE = 0.5
 # The acceptance assumed before any is measured: optimistic, so that a new
 # engine speculates and measures (the measured costs hold it back where
 # speculation cannot pay, whatever the estimates).
@@ -324,25 +327,47 @@ class SpecPlanner:
         return out
 
     def draft_seconds(self, n: int) -> float:
-        """The drafter for ``n`` requests: its bucket's measured seconds, else
-        the nearest measured bucket below (0 before any). Optimistic on
-        purpose: a bucket never measured drafts once, which measures it."""
-        b = bucket(n)
-        known = [k for k, e in self.draft_cost.items() if k <= b and e.value is not None]
-        return self.draft_cost[max(known)].value if known else 0.0  # type: ignore[return-value]
+        """The drafter for ``n`` requests (0 before any was measured)."""
+        return self._draft_buckets(bucket(n))[bucket(n)] if n else 0.0
+
+    def _draft_buckets(self, top: int) -> list[float]:
+        """The drafter's seconds per requests bucket 0 .. ``top``: measured,
+        else a power law through the measured neighbours (past the largest,
+        the slope of the two largest, within [0, 1]: never dearer per
+        request for more of them). Below the smallest, its seconds:
+        optimistic, and a bucket that drafts once is measured."""
+        known = sorted((b, e.value) for b, e in self.draft_cost.items() if e.value is not None)
+        if not known:
+            return [0.0] * (top + 1)
+        if len(known) > 1:
+            (b0, v0), (b1, v1) = known[-2], known[-1]
+            slope = min(max(math.log2(max(v1, 1e-12) / max(v0, 1e-12)) / (b1 - b0), 0.0), 1.0)
+        else:
+            slope = DRAFT_SLOPE
+        out, i = [], 0
+        for b in range(top + 1):
+            while i < len(known) and known[i][0] < b:
+                i += 1
+            if i < len(known) and known[i][0] == b:
+                out.append(known[i][1])
+            elif i == 0:
+                out.append(known[0][1])
+            elif i == len(known):
+                bl, vl = known[-1]
+                out.append(vl * 2 ** (slope * (b - bl)))
+            else:  # between two measured buckets: geometric
+                (b0, v0), (b1, v1) = known[i - 1], known[i]
+                out.append(v0 * (v1 / v0) ** ((b - b0) / (b1 - b0)) if v0 > 0 else v1)
+        return out
 
     def _draft_curve(self, paid: int, n: int) -> list[float]:
         """``draft_seconds(paid + k) - draft_seconds(paid)`` for k in 0 .. n:
         the drafter's extra cost of k more requests when ``paid`` draft anyway."""
-        known = sorted((b, e.value) for b, e in self.draft_cost.items() if e.value is not None)
-        out, at, last = [], 0, 0.0
-        for m in range(paid, paid + n + 1):
-            while at < len(known) and known[at][0] <= bucket(m):
-                last = known[at][1]
-                at += 1
-            out.append(last if m else 0.0)
-        base = out[0]
-        return [max(t - base, 0.0) for t in out]
+        per_bucket = self._draft_buckets(bucket(paid + n))
+        base = per_bucket[bucket(paid)] if paid else 0.0
+        return [
+            max(per_bucket[bucket(m)] - base, 0.0) if m else 0.0 for m in range(paid, paid + n + 1)
+        ]
 
     def _cell(self, requests: int, tokens: int) -> tuple[int, int]:
         return bucket(requests), bucket(max(tokens, 1) // max(requests, 1))
