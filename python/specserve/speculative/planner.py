@@ -17,10 +17,11 @@ request's admitted drafts are always a prefix: ``S`` never grows with
 CUDA-graph buckets. B = 0 is a true plain step: no drafter forward.
 
 The step cost comes from a table profiled at start-up on the forwards real
-steps run, corrected online per cell by the measured / predicted ratio; the
-draft cost is measured online. A safety net compares the measured goodput
-of speculative and plain steps per load bucket and turns a losing bucket
-plain, probing now and then.
+steps run, corrected online per cell by an EWMA of log(measured / table);
+the draft cost is measured online (priced by a power law where it was
+not). A safety net compares the measured goodput of steady speculative and
+plain runs per load bucket and turns a losing bucket plain, probing now
+and then with back-off.
 """
 
 from __future__ import annotations
