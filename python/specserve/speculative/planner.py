@@ -320,16 +320,20 @@ class SpecPlanner:
         while k < n:  # one cell per run of tokens per request in one bucket
             tokens_bucket = bucket(max(first + k, 1) // r)
             end = min(n, (1 << (tokens_bucket + 1)) * r - first)
-            fix = self.correction.get((bucket(r), tokens_bucket))
-            if fix is not None and fix.value:
-                f = math.exp(fix.value)
+            f = self._factor((bucket(r), tokens_bucket))
+            if f != 1.0:
                 out[k:end] = [t * f for t in out[k:end]]
             k = max(end, k + 1)
         return out
 
+    def _factor(self, cell: tuple[int, int]) -> float:
+        """The measured / table factor of a cell (1 before any measurement)."""
+        fix = self.correction.get(cell)
+        return math.exp(fix.value) if fix is not None and fix.value else 1.0
+
     def draft_seconds(self, n: int) -> float:
         """The drafter for ``n`` requests (0 before any was measured)."""
-        return self._draft_buckets(bucket(n))[bucket(n)] if n else 0.0
+        return self._draft_buckets(bucket(n))[-1] if n else 0.0
 
     def _draft_buckets(self, top: int) -> list[float]:
         """The drafter's seconds per requests bucket 0 .. ``top``: measured,
@@ -436,8 +440,7 @@ class SpecPlanner:
         spent deciding and drafting them the step before)."""
         cell = self._cell(requests, tokens)
         raw = self.costs(requests, tokens)
-        fix = self.correction.get(cell)
-        self.stats.predicted_seconds += raw * math.exp(fix.value) if fix and fix.value else raw
+        self.stats.predicted_seconds += raw * self._factor(cell)
         if self.gate:  # without it the saved table decides alone, run after run alike
             ratio = min(max(seconds / max(raw, 1e-12), 1 / MAX_CORRECTION), MAX_CORRECTION)
             self.correction.setdefault(cell, _Ewma(value=0.0)).add(math.log(ratio))
