@@ -11,7 +11,7 @@ n > 1 (``/generate``: a batch), client disconnects mid-stream,
 server process's RSS, open file descriptors and threads (/proc/PID) and the KV
 pages in use (``/get_server_info``). Every valid answer is checked: greedy
 answers equal their reference (text, token ids or texts, logprobs within
-1e-5), JSON validates against its schema, regex answers fullmatch, every
+2e-5), JSON validates against its schema, regex answers fullmatch, every
 logprob list has one entry per token. When the load ends it waits for the
 server to go idle, then judges the run:
 

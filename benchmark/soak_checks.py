@@ -20,7 +20,12 @@ import sysconfig
 from dataclasses import dataclass, field
 from typing import Any
 
-TOL = 1e-5  # logprobs of one greedy answer, across batches, streams and n
+# Logprobs of one greedy answer, across batches, streams and n. float32
+# logits computed in different batches round differently (another matmul
+# blocking, a decode step or a verify chain): on the demo, the same 16
+# greedy answers differ by up to 7.6e-6 between one batch and one at a time
+# under plain decoding, and by up to 1.3e-5 between plain and DSPARK.
+TOL = 2e-5
 
 # ------------------------------------------------------------------------------- cases
 

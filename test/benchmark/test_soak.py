@@ -48,10 +48,10 @@ def generated(logprobs: list[float], **extra) -> Answer:
     )  # fmt: skip
 
 
-def test_a_greedy_answer_must_equal_its_reference_within_1e_5() -> None:
+def test_a_greedy_answer_must_equal_its_reference_within_2e_5() -> None:
     ref = generated([-1.0, -2.0, -0.5])
-    assert checks.mismatch(generated([-1.0, -2.0 + 5e-6, -0.5]), ref) is None
-    assert "logprob 1" in checks.mismatch(generated([-1.0, -2.0 + 2e-5, -0.5]), ref)
+    assert checks.mismatch(generated([-1.0, -2.0 + 1.5e-5, -0.5]), ref) is None
+    assert "logprob 1" in checks.mismatch(generated([-1.0, -2.0 + 3e-5, -0.5]), ref)
     other = generated([-1.0, -2.0, -0.5])
     other.tokens[2] += 1
     assert "tokens" in checks.mismatch(other, ref)
