@@ -23,6 +23,16 @@ NAN = float("nan")
 U_TOP = 0.999999  # largest uniform the tests use; float32 keeps it below 1
 
 
+def _steep(v: int, lowest: bool) -> torch.Tensor:
+    """Race noise under which the lowest (or the highest) token with positive
+    weight wins, whatever the weights (of one order of magnitude)."""
+    t = torch.arange(v, dtype=torch.float32)
+    return torch.exp(t if lowest else -t)  # [V]
+
+
+LOW, HIGH = True, False
+
+
 def _layout(lengths: list[int], rows_per_chain: int) -> tuple[torch.Tensor, int]:
     """Row starts for chains laid out in reverse order with one unused row before each.
 
@@ -165,8 +175,8 @@ def _normalise(x: torch.Tensor) -> torch.Tensor:
 def _rejection_case(v: int, with_q: bool, seed: int = 0) -> tuple[torch.Tensor | None, ...]:
     """Ragged chains with random drafts plus a forced all-accept and a first-reject chain.
 
-    Returns (probs, row_starts, drafts, lengths, draft_probs, draft_starts, uniforms);
-    draft_probs and draft_starts are None when ``with_q`` is False.
+    Returns (probs, row_starts, drafts, lengths, draft_probs, draft_starts, uniforms,
+    noise); draft_probs and draft_starts are None when ``with_q`` is False.
     """
     g = torch.Generator().manual_seed(seed)
     lengths = [3, 0, 4, 1, 4, 2, 0, 4, 1, 3, 4, 2]
@@ -180,7 +190,8 @@ def _rejection_case(v: int, with_q: bool, seed: int = 0) -> tuple[torch.Tensor |
     # Draft distributions leaning towards the target's tokens without equalling them.
     noise = torch.softmax(torch.randn(d, v, generator=g) * 2, dim=-1)  # [D, V]
     draft_probs = _normalise(noise + 0.5 * probs[:d])
-    uniforms = torch.rand(b, lmax + 1, generator=g)  # [B, Lmax + 1]
+    uniforms = torch.rand(b, lmax, generator=g)  # [B, Lmax]
+    noise = torch.empty(b, v).exponential_(generator=g)  # [B, V]
     rows = []
     for c, (s, ds, n) in enumerate(zip(row_starts.tolist(), draft_starts.tolist(), lengths)):
         row = []
@@ -196,11 +207,11 @@ def _rejection_case(v: int, with_q: bool, seed: int = 0) -> tuple[torch.Tensor |
                 uniforms[c, j] = U_TOP
             row.append(x)
         rows.append(row)
-    uniforms[2, -1] = 0.0  # final-draw edges
-    uniforms[3, -1] = U_TOP
+    noise[2] = 1.0  # final-draw edges: the largest weight, lowest id on ties
+    noise[3, ::5] = 0.0  # infinite scores where the weight is positive, none where it is 0
     q_args = (draft_probs, draft_starts) if with_q else (None, None)
     drafts = _pad_drafts(rows, lmax, v)
-    return (probs, row_starts, drafts, torch.tensor(lengths), *q_args, uniforms)
+    return (probs, row_starts, drafts, torch.tensor(lengths), *q_args, uniforms, noise)
 
 
 @needs_triton
@@ -221,16 +232,18 @@ def test_rejection_triton_matches_reference(with_q: bool, seed: int) -> None:
 
 @needs_triton
 def test_rejection_triton_single_chunk_and_strides() -> None:
-    probs, row_starts, drafts, lengths, draft_probs, draft_starts, uniforms = _rejection_case(
-        77, True, seed=2
+    probs, row_starts, drafts, lengths, draft_probs, draft_starts, uniforms, noise = (
+        _rejection_case(77, True, seed=2)
     )
     q_args = (draft_probs, draft_starts)
-    want = rejection_verify_ref(probs, row_starts, drafts, lengths, *q_args, uniforms)
+    want = rejection_verify_ref(probs, row_starts, drafts, lengths, *q_args, uniforms, noise)
     wide = torch.full((probs.shape[0], 100), NAN)
     wide[:, :77] = probs
-    u_t = uniforms.T.contiguous()  # [Lmax + 1, B]; .T gives strides (1, B)
+    u_t = uniforms.T.contiguous()  # [Lmax, B]; .T gives strides (1, B)
+    e_wide = torch.full((noise.shape[0], 90), NAN)
+    e_wide[:, :77] = noise  # [B, V] with row stride 90
     got = rejection_verify_triton(
-        wide[:, :77], row_starts, drafts, lengths, *q_args, u_t.T, block_v=128
+        wide[:, :77], row_starts, drafts, lengths, *q_args, u_t.T, e_wide[:, :77], block_v=128
     )
     _assert_same(got, want)
 
@@ -259,21 +272,23 @@ def test_rejection_edges_with_q(backend: str) -> None:
     draft_starts = torch.arange(6)
     lengths = torch.tensor([1, 1, 1, 1, 1, 0])
     drafts = torch.tensor([[55], [3], [3], [60], [45], [-1]])
-    uniforms = torch.tensor(
-        [
-            [0.0, 0.0],  # q == p, p[x] > 0: accepted; bonus from row 1 with u = 0
-            [0.0, 0.0],  # q == p, p[x] = 0 = q[x]: rejected; residual all zero -> p
-            [0.0, U_TOP],  # q[x] > 0 = p[x]: rejected; residual = p / 5 on 40..70
-            [U_TOP, U_TOP],  # q == p: u * q < p for any u < 1, accepted
-            [0.0, 0.0],  # q[x] = 0: rejected though u = 0; residual only at 45
-            [0.5, U_TOP],  # no drafts: drawn from row 10 with u near 1
-        ]
-    )
+    # Each chain's accept test, and which end its final draw favours.
+    cases = [
+        (0.0, LOW),  # q == p, p[x] > 0: accepted; bonus from row 1
+        (0.0, LOW),  # q == p, p[x] = 0 = q[x]: rejected; residual all zero -> p
+        (0.0, HIGH),  # q[x] > 0 = p[x]: rejected; residual = p / 5 on 40..70
+        (U_TOP, HIGH),  # q == p: u * q < p for any u < 1, accepted
+        (0.0, LOW),  # q[x] = 0: rejected though u = 0; residual only at 45
+        (0.5, HIGH),  # no drafts: drawn from row 10
+    ]
+    uniforms = torch.tensor([[u] for u, _ in cases])  # [B, 1]
+    noise = torch.stack([_steep(v, end) for _, end in cases])  # [B, V]
     accept_len, next_token = rejection_verify(
-        probs, row_starts, drafts, lengths, draft_probs, draft_starts, uniforms, backend=backend
-    )
+        probs, row_starts, drafts, lengths, draft_probs, draft_starts, uniforms, noise,
+        backend=backend,
+    )  # fmt: skip
     assert accept_len.tolist() == [1, 0, 0, 1, 0, 0]
-    # u = 0 picks the first positive token, u near 1 the last one.
+    # LOW picks the first token with positive weight, HIGH the last one.
     assert next_token.tolist() == [0, 40, 70, 70, 45, 70]
 
 
@@ -284,13 +299,14 @@ def test_rejection_edges_one_hot(backend: str) -> None:
     probs = _edge_probs(77).repeat(6, 1)  # [R, V]
     row_starts = torch.tensor([0, 2, 4])
     lengths = torch.tensor([2, 1, 1])
-    # chain 0: two drafts with p > 0 and u = 0, both accepted; bonus with u near 1
-    # chain 1: p[x] = 0, rejected with u = 0; residual = p, drawn with u = 0
+    # chain 0: two drafts with p > 0 and u = 0, both accepted; bonus favouring HIGH
+    # chain 1: p[x] = 0, rejected with u = 0; residual = p, drawn favouring LOW
     # chain 2: x = 40 rejected at u near 1 (p[40] < 1); residual = p without token 40
     drafts = torch.tensor([[50, 60], [0, 12345], [40, -1]])
-    uniforms = torch.tensor([[0.0, 0.0, U_TOP], [0.0, 0.3, 0.0], [U_TOP, 0.7, 0.0]])
+    uniforms = torch.tensor([[0.0, 0.0], [0.0, 0.3], [U_TOP, 0.7]])
+    noise = torch.stack([_steep(77, HIGH), _steep(77, LOW), _steep(77, LOW)])
     accept_len, next_token = rejection_verify(
-        probs, row_starts, drafts, lengths, None, None, uniforms, backend=backend
+        probs, row_starts, drafts, lengths, None, None, uniforms, noise, backend=backend
     )
     assert accept_len.tolist() == [2, 0, 0]
     assert next_token.tolist() == [70, 40, 41]
@@ -317,9 +333,10 @@ def test_rejection_reference_first_token_distribution(with_q: bool) -> None:
         second = torch.randint(0, v, (n,), generator=g)
         q_args = (None, None)
     drafts = torch.stack([first, second], dim=1)  # [B, Lmax]
-    uniforms = torch.rand(n, lmax + 1, generator=g)  # [B, Lmax + 1]
+    uniforms = torch.rand(n, lmax, generator=g)  # [B, Lmax]
+    noise = torch.empty(n, v).exponential_(generator=g)  # [B, V]
     accept_len, next_token = rejection_verify_ref(
-        probs, row_starts, drafts, lengths, *q_args, uniforms
+        probs, row_starts, drafts, lengths, *q_args, uniforms, noise
     )
     committed = torch.where(accept_len > 0, drafts[:, 0], next_token)  # [B]
     freq = torch.bincount(committed, minlength=v).float() / n
@@ -341,7 +358,17 @@ def test_empty_and_draftless_batches(backend: str) -> None:
     e = torch.empty(0, dtype=torch.int64)
     for out in (
         greedy_verify(probs, e, e.view(0, 2), e, backend=backend),
-        rejection_verify(probs, e, e.view(0, 2), e, None, None, torch.empty(0, 3), backend=backend),
+        rejection_verify(
+            probs,
+            e,
+            e.view(0, 2),
+            e,
+            None,
+            None,
+            torch.empty(0, 2),
+            torch.empty(0, 40),
+            backend=backend,
+        ),  # fmt: skip
     ):
         assert out[0].shape == (0,) and out[1].shape == (0,)
     # Lmax = 0: every chain only draws its next token.
@@ -351,9 +378,10 @@ def test_empty_and_draftless_batches(backend: str) -> None:
     accept_len, next_token = greedy_verify(probs, row_starts, drafts, lengths, backend=backend)
     assert accept_len.tolist() == [0, 0]
     assert next_token.tolist() == probs[[2, 0]].argmax(dim=-1).tolist()
-    uniforms = torch.tensor([[0.0], [U_TOP]])
+    uniforms = torch.empty(2, 0)
+    noise = torch.stack([_steep(40, LOW), _steep(40, HIGH)])
     accept_len, next_token = rejection_verify(
-        probs, row_starts, drafts, lengths, None, None, uniforms, backend=backend
+        probs, row_starts, drafts, lengths, None, None, uniforms, noise, backend=backend
     )
     assert accept_len.tolist() == [0, 0]
     assert next_token.tolist() == [0, 39]
@@ -386,33 +414,36 @@ def test_triton_rejects_bad_inputs() -> None:
         greedy_verify_triton(logits.T.contiguous().T, row_starts, drafts, lengths)
     with pytest.raises(AssertionError, match="logits dtype"):
         greedy_verify_triton(logits.double(), row_starts, drafts, lengths)
-    probs, row_starts, drafts, lengths, draft_probs, draft_starts, uniforms = _rejection_case(
-        40, True
+    probs, row_starts, drafts, lengths, draft_probs, draft_starts, uniforms, noise = (
+        _rejection_case(40, True)
     )
     base = (row_starts, drafts, lengths)
+    ue = (uniforms, noise)
     with pytest.raises(AssertionError, match="probs dtype"):
-        rejection_verify_triton(probs.half(), *base, draft_probs, draft_starts, uniforms)
+        rejection_verify_triton(probs.half(), *base, draft_probs, draft_starts, *ue)
     with pytest.raises(AssertionError, match="draft_probs must be float32"):
-        rejection_verify_triton(probs, *base, draft_probs.double(), draft_starts, uniforms)
+        rejection_verify_triton(probs, *base, draft_probs.double(), draft_starts, *ue)
     with pytest.raises(AssertionError, match="draft_probs must be \\[D"):
-        rejection_verify_triton(probs, *base, draft_probs[:, :-1], draft_starts, uniforms)
+        rejection_verify_triton(probs, *base, draft_probs[:, :-1], draft_starts, *ue)
     with pytest.raises(AssertionError, match="draft_starts is required"):
-        rejection_verify_triton(probs, *base, draft_probs, None, uniforms)
+        rejection_verify_triton(probs, *base, draft_probs, None, *ue)
     with pytest.raises(AssertionError, match="uniforms must be"):
-        rejection_verify_triton(probs, *base, draft_probs, draft_starts, uniforms[:, :-1])
+        rejection_verify_triton(probs, *base, draft_probs, draft_starts, uniforms[:, :-1], noise)
+    with pytest.raises(AssertionError, match="noise must be \\["):
+        rejection_verify_triton(probs, *base, draft_probs, draft_starts, uniforms, noise[:, :-1])
+    with pytest.raises(AssertionError, match="noise must be float32"):
+        rejection_verify_triton(probs, *base, draft_probs, draft_starts, uniforms, noise.double())
 
 
 # -------------------------------------------------------------------------------- GPU
 
 
-def _check_draw(weights: torch.Tensor, u: float, tok: int) -> None:
-    """``tok`` is where ``u`` falls on the float64 CDF of ``weights``, up to rounding."""
-    w = weights.double()
-    cdf = torch.cumsum(w, dim=0)
-    thr, tol = u * float(cdf[-1]), 1e-5 * float(cdf[-1])
+def _check_draw(weights: torch.Tensor, noise: torch.Tensor, tok: int) -> None:
+    """``tok`` wins the race of ``weights`` against ``noise``, up to rounding."""
+    w, e = weights.double(), noise.double()
+    score = torch.where(w > 0, w / e, -1.0)
     assert w[tok] > 0
-    assert float(cdf[tok]) > thr - tol
-    assert tok == 0 or float(cdf[tok - 1]) <= thr + tol
+    assert float(score[tok]) >= float(score.max()) * (1 - 1e-6)
 
 
 @pytest.mark.gpu
@@ -436,21 +467,22 @@ def test_triton_cuda_large_vocab() -> None:
     _assert_same(got, want)
 
     probs = torch.softmax(logits.float() * 0.7, dim=-1)  # [R, V]
-    noise = torch.softmax(torch.randn(d, v, generator=g) * 4, dim=-1)  # [D, V]
-    draft_probs = _normalise(noise + probs[:d])
+    spread = torch.softmax(torch.randn(d, v, generator=g) * 4, dim=-1)  # [D, V]
+    draft_probs = _normalise(spread + probs[:d])
     for c in range(b):
         for j in range(int(lengths[c])):
             q = draft_probs[int(draft_starts[c]) + j]
             drafts[c, j] = int(torch.multinomial(q, 1, generator=g))
-    uniforms = torch.rand(b, lmax + 1, generator=g)  # [B, Lmax + 1]
+    uniforms = torch.rand(b, lmax, generator=g)  # [B, Lmax]
+    noise = torch.empty(b, v).exponential_(generator=g)  # [B, V]
     for q_args in ((draft_probs, draft_starts), (None, None)):
-        args = (probs, row_starts, drafts, lengths, *q_args, uniforms)
+        args = (probs, row_starts, drafts, lengths, *q_args, uniforms, noise)
         want = rejection_verify_ref(*args)
         got = rejection_verify(*(t.cuda() if t is not None else None for t in args))
         accept_len, next_token = (t.cpu() for t in got)
         assert torch.equal(accept_len, want[0])
-        # Long sums run in another order on the GPU, so a draw may land on a
-        # neighbouring token; it must still sit where u falls on the CDF.
+        # Should the GPU round a score otherwise, a near-tie may go the other
+        # way; the token must still win the race up to rounding.
         for c in range(b):
             if next_token[c] == want[1][c]:
                 continue
@@ -464,7 +496,7 @@ def test_triton_cuda_large_vocab() -> None:
                     q_row[int(drafts[c, a])] = 1.0
                 res = (w - q_row).clamp(min=0.0)
                 w = res if bool((res > 0).any()) else w
-            _check_draw(w, float(uniforms[c, lmax]), int(next_token[c]))
+            _check_draw(w, noise[c], int(next_token[c]))
 
 
 @needs_triton

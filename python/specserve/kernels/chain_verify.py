@@ -15,18 +15,23 @@ correction at the first rejected position or the bonus token.
   accepted prefix.
 * Rejection sampling: draft x with draft probability q and target probability
   p is accepted iff ``q > 0 and u * q < p``; at the first rejection the next
-  token is drawn from the normalised residual ``max(0, p - q)``, so committed
-  tokens follow the target distribution exactly.
+  token is drawn from the normalised residual ``max(0, p - q)`` (from p where
+  that is all zero), so committed tokens follow the target distribution
+  exactly.
 
-A draw from non-negative weights w with a uniform u in [0, 1) picks the
-smallest i with ``cumsum(w)[i] > u * sum(w)``; should rounding leave none, the
-last i with ``w[i] > 0`` (0 when w is all zero, which a normalised row never
-is). Greedy verification on Triton is row-parallel: every row's argmax at once
-(programs over rows x vocab slices), then the accept rule for every chain in a
-few vectorised ops. Rejection sampling runs one program per chain, walks its
-drafts in order and stops at the first rejection, scanning each row it needs in
-vocab chunks. The torch references spell the rules out plainly and serve as the
-test oracle.
+A draw from non-negative weights w is an exponential race, as the sampler's:
+with ``E ~ Exp(1)`` per token (``noise``), the token with the largest ``w / E``
+among those with ``w > 0``, ties to the lowest id (0 when w is all zero, which
+a normalised row never is). An inverse-CDF draw would move its token whenever
+rounding moved any of the boundaries below it (about V of them), so the same
+seed would draw other tokens on another CPU or tensor-parallel layout; the race
+changes only at a near-tie of two scores. Greedy verification on Triton is
+row-parallel: every row's argmax at once (programs over rows x vocab slices),
+then the accept rule for every chain in a few vectorised ops. Rejection
+sampling runs one program per chain, walks its drafts in order and stops at
+the first rejection, then races over the row it stopped at in vocab chunks.
+The torch references spell the rules out plainly and serve as the test
+oracle.
 
 Inputs are trusted where checking them would need a device sync: drafts must lie
 in ``[0, V)``, ``lengths`` in ``[0, Lmax]`` and every row a chain uses must
@@ -113,13 +118,12 @@ def greedy_accept(
     return accept_len, next_token.long()
 
 
-def _draw_ref(w: torch.Tensor, u: torch.Tensor) -> int:
-    """Inverse-CDF draw from non-negative weights ``w [V]`` with a 0-d float32 ``u``."""
-    above = torch.nonzero(torch.cumsum(w, dim=0) > u * w.sum())
-    if above.numel() > 0:
-        return int(above[0])
-    positive = torch.nonzero(w > 0)
-    return int(positive[-1]) if positive.numel() > 0 else 0
+def race_pick(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race's winner per row: ``argmax(w / E)`` over the
+    tokens with ``w > 0`` (a zero weight never wins, whatever its noise),
+    ties to the lowest id. ``weights``, ``noise``: ``[..., V]``; ``[...]`` int64."""
+    score = torch.where(weights > 0, weights / noise, -1.0)
+    return score.argmax(dim=-1)
 
 
 def rejection_verify_ref(
@@ -130,11 +134,12 @@ def rejection_verify_ref(
     draft_probs: torch.Tensor | None,
     draft_starts: torch.Tensor | None,
     uniforms: torch.Tensor,
+    noise: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference for rejection sampling, one chain at a time.
 
-    ``uniforms[b, j]`` decides draft j; the last column, ``uniforms[b, Lmax]``,
-    is always the one used for the final draw.
+    ``uniforms[b, j]`` (``[B, Lmax]``) decides draft j; ``noise[b]``
+    (``[B, V]``, Exp(1)) races the final draw.
     """
     b, lmax = drafts.shape
     dev = probs.device
@@ -166,7 +171,7 @@ def rejection_verify_ref(
                 weights = p_row
             break
         accept_len[c] = a
-        next_token[c] = _draw_ref(weights, uniforms[c, lmax])
+        next_token[c] = race_pick(weights, noise[c])
     return accept_len, next_token
 
 
@@ -264,10 +269,11 @@ if HAS_TRITON:
         u_ptr,
         stride_ub,
         stride_uj,
+        noise_ptr,
+        stride_nb,
         out_accept_ptr,
         out_next_ptr,
         V,
-        LMAX,
         HAS_Q: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
@@ -322,38 +328,32 @@ if HAS_TRITON:
         x = tl.load(draft_row + j * stride_dj, mask=rejected, other=-1)
         p_row = probs_ptr + (row0 + j) * stride_pr
         q_row = q_ptr + (q_row0 + j) * stride_qr  # read only when rejected
+        e_row = noise_ptr + c * stride_nb
 
-        # Pass 1: totals of the residual and of p, so an all-zero residual can
-        # fall back to p without a third pass.
-        total_r = tl.zeros([], tl.float32)
-        total_p = tl.zeros([], tl.float32)
+        # One pass: the race over the residual and over p (the fallback when
+        # the residual is all zero), each its best score and lowest id.
+        best_r = tl.full([], -1.0, tl.float32)
+        best_p = tl.full([], -1.0, tl.float32)
+        pick_r = tl.zeros([], tl.int32)
+        pick_p = tl.zeros([], tl.int32)
         for start in range(0, V, BLOCK_V):
             offs = start + tl.arange(0, BLOCK_V)
             mask = offs < V
             p = tl.load(p_row + offs, mask=mask, other=0.0)
-            total_p += tl.sum(p, axis=0)
+            e = tl.load(e_row + offs, mask=mask, other=1.0)
+            score = tl.where(p > 0.0, p / e, -1.0)
+            top = tl.max(score, axis=0)
+            if top > best_p:  # a later chunk wins only by more: lowest id on ties
+                best_p = top
+                pick_p = tl.min(tl.where(score == top, offs, V), axis=0)
             if rejected:
                 r = _residual(p, q_row, offs, mask, x, rejected, HAS_Q)
-                total_r += tl.sum(r, axis=0)
-        residual = rejected & (total_r > 0.0)
-        total = tl.where(residual, total_r, total_p)
-        thr = tl.load(u_row + LMAX * stride_uj) * total
-
-        # Pass 2: first index whose running cumulative sum exceeds the threshold.
-        pick = tl.zeros([], tl.int32) + V  # V = not found yet
-        last = tl.full([], -1, tl.int32)  # last index with positive weight
-        run = tl.zeros([], tl.float32)
-        for start in range(0, V, BLOCK_V):
-            if pick == V:  # chunks after the hit cannot change the answer
-                offs = start + tl.arange(0, BLOCK_V)
-                mask = offs < V
-                p = tl.load(p_row + offs, mask=mask, other=0.0)
-                w = tl.where(residual, _residual(p, q_row, offs, mask, x, residual, HAS_Q), p)
-                cs = run + tl.cumsum(w, axis=0)  # [BLOCK_V]
-                pick = tl.min(tl.where(mask & (cs > thr), offs, V), axis=0)
-                last = tl.maximum(last, tl.max(tl.where(mask & (w > 0.0), offs, -1), axis=0))
-                run += tl.sum(w, axis=0)
-        tok = tl.where(pick < V, pick, tl.maximum(last, 0))
+                score = tl.where(r > 0.0, r / e, -1.0)
+                top = tl.max(score, axis=0)
+                if top > best_r:
+                    best_r = top
+                    pick_r = tl.min(tl.where(score == top, offs, V), axis=0)
+        tok = tl.where(rejected & (best_r >= 0.0), pick_r, pick_p)
         tl.store(out_next_ptr + c, tok.to(tl.int64))
 
 
@@ -423,9 +423,10 @@ def rejection_verify_triton(
     draft_probs: torch.Tensor | None,
     draft_starts: torch.Tensor | None,
     uniforms: torch.Tensor,
+    noise: torch.Tensor,
     block_v: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton rejection sampling: one program per chain, two passes over the final row."""
+    """Triton rejection sampling: one program per chain, one pass over the final row."""
     if not HAS_TRITON:
         raise RuntimeError("rejection_verify_triton needs triton, which is not installed")
     b, lmax = _check_chains(probs, "probs", (torch.float32,), row_starts, drafts, lengths)
@@ -450,11 +451,15 @@ def rejection_verify_triton(
             f"draft_starts must be int64, got {draft_starts.dtype}"
         )
         assert draft_starts.device == dev, f"draft_starts on {draft_starts.device}, probs on {dev}"
-    assert uniforms.shape == (b, lmax + 1), (
-        f"uniforms must be [{b}, {lmax + 1}], got {tuple(uniforms.shape)}"
+    assert uniforms.shape == (b, lmax), (
+        f"uniforms must be [{b}, {lmax}], got {tuple(uniforms.shape)}"
     )
     assert uniforms.dtype == torch.float32, f"uniforms must be float32, got {uniforms.dtype}"
     assert uniforms.device == dev, f"uniforms on {uniforms.device}, probs on {dev}"
+    assert noise.shape == (b, v), f"noise must be [{b}, {v}], got {tuple(noise.shape)}"
+    assert noise.dtype == torch.float32, f"noise must be float32, got {noise.dtype}"
+    assert noise.stride(1) == 1, f"noise last dim must be contiguous, strides {noise.stride()}"
+    assert noise.device == dev, f"noise on {noise.device}, probs on {dev}"
     block_v = _check_block(block_v)
     accept_len = torch.empty(b, dtype=torch.int64, device=dev)
     next_token = torch.empty(b, dtype=torch.int64, device=dev)
@@ -480,10 +485,11 @@ def rejection_verify_triton(
         uniforms,
         uniforms.stride(0),
         uniforms.stride(1),
+        noise,
+        noise.stride(0),
         accept_len,
         next_token,
         v,
-        lmax,
         HAS_Q=draft_probs is not None,
         BLOCK_V=block_v,
         num_warps=4,
@@ -522,10 +528,11 @@ def rejection_verify(
     draft_probs: torch.Tensor | None,
     draft_starts: torch.Tensor | None,
     uniforms: torch.Tensor,
+    noise: torch.Tensor,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch: "auto" uses Triton on CUDA tensors, the torch reference elsewhere."""
-    args = (probs, row_starts, drafts, lengths, draft_probs, draft_starts, uniforms)
+    args = (probs, row_starts, drafts, lengths, draft_probs, draft_starts, uniforms, noise)
     if use_triton(backend, probs, "chain verify"):
         return rejection_verify_triton(*args)
     return rejection_verify_ref(*args)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.kernels.chain_verify import greedy_argmax
+from specserve.kernels.chain_verify import greedy_argmax, race_pick
 from specserve.sampling.metadata import SamplingMetadata, target_probs
 
 
@@ -37,15 +37,30 @@ def exponential_race(
     shared: torch.Generator | None,
 ) -> torch.Tensor:
     """One draw per row: ``argmax(p / E)`` with ``E ~ Exp(1)`` is a draw from
-    ``p``. Rows with a generator (seeded requests) draw E from it, so
-    batch-mates never shift them; the others share ``shared``, in one call."""
-    noise = torch.empty_like(probs)
+    ``p``. Unlike an inverse-CDF draw, whose token moves whenever rounding
+    moves any of the V boundaries below it, this one changes only at a
+    near-tie of two scores: the same seed draws the same token on every CPU
+    and tensor-parallel layout."""
+    noise = race_noise(generators, probs.shape[1], shared, probs.device)  # [S, V]
+    return race_pick(probs, noise)  # [S]
+
+
+def race_noise(
+    generators: Sequence[torch.Generator | None],
+    vocab: int,
+    shared: torch.Generator | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """``E ~ Exp(1)``, ``[len(generators), vocab]`` float32: rows with a
+    generator (seeded requests) draw theirs from it, so batch-mates never
+    shift them; the others share ``shared``, in one call."""
+    noise = torch.empty(len(generators), vocab, dtype=torch.float32, device=device)
     common = [i for i, g in enumerate(generators) if g is None]
     if common:
         noise[common] = torch.empty(
-            len(common), probs.shape[1], dtype=probs.dtype, device=probs.device
+            len(common), vocab, dtype=torch.float32, device=device
         ).exponential_(generator=shared)
     for i, g in enumerate(generators):
         if g is not None:
             noise[i].exponential_(generator=g)
-    return (probs / noise).argmax(dim=-1)  # [S]
+    return noise

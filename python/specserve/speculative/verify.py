@@ -21,6 +21,7 @@ from specserve.host import upload
 from specserve.kernels.chain_verify import greedy_accept, greedy_verify, rejection_verify
 from specserve.sampling.metadata import target_probs
 from specserve.sampling.params import SamplingParams
+from specserve.sampling.sampler import race_noise
 
 
 @dataclass
@@ -122,21 +123,23 @@ def _rejection(
     probs = target_probs(rows, [c.params for c in members for _ in range(1 + len(c.drafts))])
     device = probs.device
     starts, drafts, lengths = _layout([c.drafts for c in members], device)
-    width = drafts.shape[1]
-    # Columns 0..L-1: the accept tests; column ``width``: the final draw.
-    # Unseeded chains draw theirs from the shared generator in one call. A
-    # seeded chain draws exactly L + 1 from its own, whatever else is in the
-    # batch, so seeded requests stay reproducible. All on the device.
-    uniforms = torch.rand(len(members), width + 1, generator=shared, device=device)
+    # The accept tests (``uniforms [C, Lmax]``) and the final draw's race
+    # (``noise [C, V]``). Unseeded chains draw theirs from the shared
+    # generator in one call each. A seeded chain draws exactly L uniforms and
+    # then V exponentials from its own, whatever else is in the batch, so
+    # seeded requests stay reproducible. All on the device.
+    uniforms = torch.rand(len(members), drafts.shape[1], generator=shared, device=device)
     for b, c in enumerate(members):
         if c.generator is not None:
-            u = torch.rand(len(c.drafts) + 1, generator=c.generator, device=c.generator.device)
-            uniforms[b, : len(c.drafts)] = u[:-1].to(device)
-            uniforms[b, width] = u[-1].to(device)
+            u = torch.rand(len(c.drafts), generator=c.generator, device=c.generator.device)
+            uniforms[b, : len(c.drafts)] = u.to(device)
+    noise = race_noise([c.generator for c in members], probs.shape[1], shared, device)
     q = q_starts = None
     if not one_hot:
         q = torch.cat([c.q.to(probs.dtype) for c in members])  # type: ignore[union-attr]
         q_starts = upload(
             [sum(len(m.drafts) for m in members[:b]) for b in range(len(members))], device
         )
-    return rejection_verify(probs, starts, drafts, lengths, q, q_starts, uniforms, backend=backend)
+    return rejection_verify(
+        probs, starts, drafts, lengths, q, q_starts, uniforms, noise, backend=backend
+    )
