@@ -12,11 +12,10 @@ import pytest
 from models_zoo import model_path, random_prompts
 from specserve import Engine
 from specserve.speculative.planner import (
-    NET_PLAIN,
-    NET_SPEC,
+    BLOCK_STEPS,
+    EXPLORE_MAX,
+    EXPLORE_MIN,
     PRIOR,
-    PROBE_EVERY,
-    PROBE_STEPS,
     SpecPlanner,
     choose_drafts,
     static_lengths,
@@ -157,79 +156,83 @@ def test_an_unmeasured_drafter_load_is_priced_from_the_measured_ones() -> None:
     assert planner._draft_curve(8, 8)[0] == 0.0  # what is paid anyway costs nothing more
 
 
-def losing_planner() -> tuple[SpecPlanner, list, list]:
-    """A planner whose model expects gains at 4 requests, measured there:
-    speculation commits 4 tokens in 2 s, plain 4 in 1 s."""
+def run_steps(planner: SpecPlanner, steps: int, spec: tuple, plain: tuple, requests: int = 4):
+    """``steps`` decisions at ``requests`` decoding requests, each step then
+    measured: ``spec`` / ``plain`` = (tokens generated, seconds) of a step
+    that verified drafts / none. Returns whether each step speculated."""
+    owns, limits = [[0.9] * 4] * requests, [4] * requests
+    out = []
+    for _ in range(steps):
+        drafted = any(planner.before_draft(owns, limits, requests, 0))
+        tokens, seconds = spec if drafted else plain
+        fed = requests * 5 if drafted else requests
+        planner.observe_step(requests, fed, requests, 4 * requests * drafted, tokens, seconds, 0.0)
+        out.append(drafted)
+    return out
+
+
+def blocks(spoke: list[bool]) -> list[bool]:
+    """Whether each block of BLOCK_STEPS steps speculated (a block is one regime)."""
+    chunks = [spoke[i : i + BLOCK_STEPS] for i in range(0, len(spoke), BLOCK_STEPS)]
+    assert all(len(set(c)) == 1 for c in chunks), "a block mixes regimes"
+    return [c[0] for c in chunks]
+
+
+def test_the_net_turns_a_losing_bucket_plain_and_explores_it_by_its_loss() -> None:
+    """The model (a flat table: drafts look free) speculates; measured,
+    speculation delivers half of plain's goodput. After one block of each,
+    the bucket is plain, and the model gets one block in EXPLORE_MAX + 1
+    (it loses by 100%, far past what EXPLORE_LOSS allows often)."""
     planner = flat_planner()
-    owns, limits = [[0.9] * 4] * 4, [4] * 4
-    assert any(planner.before_draft(owns, limits, 4, 0))
-    for _ in range(NET_SPEC + 1):  # the first of each run is not steady
-        planner.observe_step(4, 20, 4, 16, 4, 1.0, 1.0)
-    for _ in range(NET_PLAIN + 1):
-        planner.observe_step(4, 4, 4, 0, 4, 1.0, 0.0)
-    return planner, owns, limits
+    spoke = blocks(run_steps(planner, BLOCK_STEPS * 70, spec=(4, 2.0), plain=(4, 1.0)))
+    assert spoke[:2] == [True, False]  # each regime measured once
+    later = spoke[2:]
+    assert later[:EXPLORE_MAX] == [False] * EXPLORE_MAX
+    assert later[EXPLORE_MAX] is True
+    assert later[EXPLORE_MAX + 1 :][:EXPLORE_MAX] == [False] * EXPLORE_MAX
+    assert planner.stats.forced_plain == BLOCK_STEPS * spoke.count(False)
+    # Another load bucket is not affected: it measures the model first.
+    assert run_steps(planner, 1, spec=(4, 2.0), plain=(4, 1.0), requests=16) == [True]
 
 
-def test_the_safety_net_turns_a_losing_bucket_plain_and_backs_off_its_probes() -> None:
-    planner, owns, limits = losing_planner()
-    plain = [not any(planner.before_draft(owns, limits, 4, 0)) for _ in range(4 * PROBE_EVERY)]
-    # Forced plain, then the model decides for a probe of PROBE_STEPS in a row;
-    # the probe measured nothing better, so the next one waits twice as long.
-    first, second = PROBE_EVERY - 1, PROBE_EVERY - 1 + PROBE_STEPS + 2 * PROBE_EVERY - 1
-    assert plain[:first] == [True] * first
-    assert plain[first : first + PROBE_STEPS] == [False] * PROBE_STEPS
-    assert plain[first + PROBE_STEPS : second] == [True] * (second - first - PROBE_STEPS)
-    assert plain[second : second + PROBE_STEPS] == [False] * PROBE_STEPS
-    assert planner.stats.forced_plain == plain.count(True)
-    # Another load bucket is not affected.
-    assert any(planner.before_draft([[0.9] * 4] * 16, [4] * 16, 16, 0))
-
-
-def test_a_probe_that_measures_gains_gives_the_bucket_back_to_the_model() -> None:
-    planner, owns, limits = losing_planner()
-    for _ in range(PROBE_EVERY - 1):
-        assert not any(planner.before_draft(owns, limits, 4, 0))
-    for _ in range(PROBE_STEPS):  # the probe: speculation now commits 16 tokens in 2 s
-        assert any(planner.before_draft(owns, limits, 4, 0))
-        planner.observe_step(4, 20, 4, 16, 16, 1.0, 1.0)
-    assert all(any(planner.before_draft(owns, limits, 4, 0)) for _ in range(2 * PROBE_EVERY))
-    assert planner.stats.forced_plain == PROBE_EVERY - 1
-
-
-def test_a_bucket_measures_plain_now_and_then_until_it_knows_it() -> None:
+def test_a_winning_model_keeps_its_bucket_and_plain_is_measured_rarely() -> None:
     planner = flat_planner()
-    owns, limits = [[0.9] * 4] * 4, [4] * 4
-    plain = [not any(planner.before_draft(owns, limits, 4, 0)) for _ in range(3 * PROBE_EVERY)]
-    runs = [*range(PROBE_EVERY - 1, PROBE_EVERY + NET_PLAIN)]
-    runs += [*range(2 * PROBE_EVERY - 1, 2 * PROBE_EVERY + NET_PLAIN)]
-    runs += [*range(3 * PROBE_EVERY - 1, 3 * PROBE_EVERY)]
-    assert [i for i, p in enumerate(plain) if p] == runs  # runs of NET_PLAIN + 1
-    for _ in range(NET_PLAIN + 1):
-        planner.observe_step(4, 4, 4, 0, 4, 1.0, 0.0)
-    for _ in range(NET_PLAIN):  # the run started last
-        assert not any(planner.before_draft(owns, limits, 4, 0))
-    assert all(any(planner.before_draft(owns, limits, 4, 0)) for _ in range(2 * PROBE_EVERY))
-    assert planner.stats.forced_plain == 0
+    spoke = blocks(run_steps(planner, BLOCK_STEPS * 40, spec=(16, 2.0), plain=(4, 1.0)))
+    assert spoke[:2] == [True, False]
+    assert spoke[2 : 2 + EXPLORE_MAX] == [True] * EXPLORE_MAX
+    assert spoke[2 + EXPLORE_MAX] is False
 
 
-def test_the_net_compares_steady_runs_not_the_steps_after_a_switch() -> None:
-    """Speculation that alternates with plain steps pays a catch-up on each
-    switch; only steps like the one before them measure a kind's goodput."""
+def test_a_close_race_is_explored_often_and_a_tie_goes_plain() -> None:
     planner = flat_planner()
-    for _ in range(3 * NET_SPEC):  # plain, speculative, plain, ...: nothing steady
-        planner.observe_step(4, 4, 4, 0, 4, 1.0, 0.0)
-        planner.observe_step(4, 20, 4, 16, 4, 1.0, 9.0)
-    assert planner.nets[2].spec.count == 0
-    assert planner.nets[2].plain.count == 1  # the very first step (after none)
+    # 3% apart: below EXPLORE_MIN blocks' worth of loss, so every EXPLORE_MIN.
+    spoke = blocks(run_steps(planner, BLOCK_STEPS * 20, spec=(4, 1.03), plain=(4, 1.0)))
+    assert spoke[2 : 2 + 2 * EXPLORE_MIN + 2] == ([False] * EXPLORE_MIN + [True]) * 2
+    tie = flat_planner()
+    spoke = blocks(run_steps(tie, BLOCK_STEPS * 6, spec=(4, 1.0), plain=(4, 1.0)))
+    assert spoke[2:5] == [False] * 3  # speculation must win by NET_MARGIN
+
+
+def test_every_step_counts_in_its_regimes_block() -> None:
+    """Prefill steps and the first step after a switch (a drafter's
+    catch-up) are what a regime costs: its block adds every step."""
+    planner = flat_planner()
+    assert any(planner.before_draft([[0.9] * 4] * 4, [4] * 4, 4, 0))
+    planner.observe_step(4, 64, 0, 0, 4, 3.0, 0.0)  # a prefill step: no decoding
+    planner.observe_step(4, 20, 4, 16, 12, 1.0, 2.0)  # a round, its drafting charged
+    block = planner.block
+    assert (block.regime, block.steps, block.tokens, block.seconds) == ("model", 2, 16, 6.0)
 
 
 def test_reset_forgets_what_was_learnt_but_keeps_the_table() -> None:
-    planner, owns, limits = losing_planner()
+    planner = flat_planner()
+    run_steps(planner, BLOCK_STEPS * 3, spec=(4, 2.0), plain=(4, 1.0))
     planner.observe_round(None, 4, 0, [0.5] * 4)
     planner.reset()
     assert planner.rates == [PRIOR] * 4 and not planner.correction and not planner.nets
+    assert planner.block is None
     assert planner.step_seconds(4, 4) == pytest.approx(1.0)
-    assert any(planner.before_draft(owns, limits, 4, 0))
+    assert any(planner.before_draft([[0.9] * 4] * 4, [4] * 4, 4, 0))
 
 
 def test_estimates_follow_acceptance_and_calibrate_confidences() -> None:

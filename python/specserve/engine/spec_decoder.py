@@ -45,7 +45,7 @@ class SpecDecoder:
         self.stats = SpecStats()  # request-rounds, over the engine's life
         self._confidence: dict[str, list[float]] = {}  # of drafts still to verify
         self._draft_seconds = 0.0  # drafting for the coming step
-        self._committed = 0  # by the decoding requests of the step in progress
+        self._generated = 0  # tokens the step in progress committed (every request)
         self._drafted: set[str] = set()  # the requests drafting for the coming step
 
     def propose(self, reqs: Sequence[Req]) -> None:
@@ -125,7 +125,7 @@ class SpecDecoder:
 
     def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
         """The step just run, measured: the planner's tables learn from it."""
-        committed, self._committed = self._committed, 0
+        generated, self._generated = self._generated, 0
         if self.planner is None:
             return
         self.planner.observe_step(
@@ -133,7 +133,7 @@ class SpecDecoder:
             tokens=sum(len(e.token_ids) for e in batch.entries),
             decoding=sum(s.decoding for s in batch.steps),
             drafts=sum(len(s.drafts) for s in batch.steps if s.verify),
-            committed=committed,
+            generated=generated,
             seconds=seconds,
             draft_seconds=self._draft_seconds,
         )
@@ -182,8 +182,7 @@ class SpecDecoder:
         ``features``: the captured features of the entry's tokens; ``committed``:
         the tokens this step committed to the request."""
         req, fed = step.req, len(entry.token_ids)
-        if step.decoding:
-            self._committed += committed
+        self._generated += committed
         if step.verify:
             req.spec.add(committed)
             self.stats.add(committed)

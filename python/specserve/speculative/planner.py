@@ -19,9 +19,10 @@ CUDA-graph buckets. B = 0 is a true plain step: no drafter forward.
 The step cost comes from a table profiled at start-up on the forwards real
 steps run, corrected online per cell by an EWMA of log(measured / table);
 the draft cost is measured online (priced by a power law where it was
-not). A safety net compares the measured goodput of steady speculative and
-plain runs per load bucket and turns a losing bucket plain, probing now
-and then with back-off.
+not). A safety net measures what the engine delivers under the model's
+decisions and under plain steps alone, in blocks of steps per load bucket,
+and gives a bucket to the model only while it measures more goodput there;
+the loser runs a block now and then, less often the more it loses by.
 """
 
 from __future__ import annotations
@@ -55,21 +56,27 @@ DRAFT_SLOPE = 0.5
 # engine speculates and measures (the measured costs hold it back where
 # speculation cannot pay, whatever the estimates).
 PRIOR = 0.8
+# Where the calibration of a confidence head starts (accepted and predicted
+# alike).
+CAL_PRIOR = 0.5
 # A correction of the step table takes one measurement as at most this
 # factor off (a first launch, a stall), whatever it measured.
 MAX_CORRECTION = 16.0
-# The safety net: a load bucket goes plain once its speculative steps (at
-# least NET_SPEC of them) measure NET_MARGIN less goodput than its plain ones
-# (at least NET_PLAIN); goodputs are decayed sums, GOODPUT_ALPHA per step.
-NET_MARGIN = 0.03
-NET_SPEC, NET_PLAIN = 32, 4
-GOODPUT_ALPHA = 0.05
-# A losing bucket lets the model decide again for PROBE_STEPS decisions in a
-# row (one speculative step alone would pay the drafter's catch-up) after
-# PROBE_EVERY forced plain ones; a probe that loses doubles the wait, up to
-# PROBE_MAX. A bucket with too few plain measurements takes NET_PLAIN + 1
-# plain steps in a row every PROBE_EVERY decisions to measure them.
-PROBE_EVERY, PROBE_STEPS, PROBE_MAX = 32, 8, 512
+# The safety net measures what the engine delivers: per load bucket, blocks
+# of BLOCK_STEPS steps in a row either decided by the model or all plain,
+# each block's goodput (every token the steps generated, prefills included,
+# over their seconds, drafting included) added to its regime's decayed sums
+# (GOODPUT_ALPHA per block). The model keeps a bucket only while it measures
+# NET_MARGIN more goodput than plain (a tie goes plain: speculation must not
+# cost throughput). The loser runs one block every `wait` blocks, `wait` set
+# so that exploring costs about EXPLORE_LOSS of the winner's goodput (a
+# loser that loses by 20% waits 20 blocks), within [EXPLORE_MIN,
+# EXPLORE_MAX]. Each regime runs a block before the net judges.
+BLOCK_STEPS = 16
+GOODPUT_ALPHA = 0.3
+NET_MARGIN = 0.02
+EXPLORE_LOSS = 0.01
+EXPLORE_MIN, EXPLORE_MAX = 4, 32
 
 
 # ---- the decision ----------------------------------------------------------------------
@@ -137,6 +144,12 @@ def bucket(n: int) -> int:
     return max(n, 1).bit_length() - 1
 
 
+def load_bucket(n: int) -> int:
+    """The safety net's load bucket: 1, 2, 3-4, 5-8, ... (a load of C
+    clients and the C - 1 left while one is replaced share one)."""
+    return max(n - 1, 0).bit_length()
+
+
 @dataclass
 class _Ewma:
     value: float | None = None
@@ -149,67 +162,66 @@ class _Ewma:
 
 @dataclass
 class _Goodput:
-    """Committed tokens per second over recent steps: decayed sums, so that a
-    slow step weighs by its seconds."""
+    """Generated tokens per second over a regime's blocks: decayed sums, so
+    that a slow block weighs by its seconds."""
 
     tokens: float = 0.0
     seconds: float = 0.0
-    count: int = 0
+    blocks: int = 0
 
-    def add(self, tokens: int, seconds: float) -> None:
+    def add(self, tokens: float, seconds: float) -> None:
         self.tokens = (1 - GOODPUT_ALPHA) * self.tokens + tokens
         self.seconds = (1 - GOODPUT_ALPHA) * self.seconds + seconds
-        self.count += 1
+        self.blocks += 1
 
     @property
     def value(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+MODEL, PLAIN = "model", "plain"
+
+
 @dataclass
 class _SafetyNet:
-    """One load bucket's measured goodput, speculative against plain, and
-    its probes while speculation loses there."""
+    """One load bucket's measured goodput under each regime, and which
+    regime its next block runs."""
 
-    spec: _Goodput = field(default_factory=_Goodput)
-    plain: _Goodput = field(default_factory=_Goodput)
-    decisions: int = 0
-    wait: int = PROBE_EVERY  # forced plain decisions before the next probe
-    countdown: int = PROBE_EVERY
-    probing: int = 0  # decisions of the running probe left
-    measuring: int = 0  # plain decisions left of a run measuring plain
+    goodput: dict[str, _Goodput] = field(
+        default_factory=lambda: {MODEL: _Goodput(), PLAIN: _Goodput()}
+    )
+    countdown: int | None = None  # the winner's blocks before the loser's next one
 
-    def losing(self) -> bool:
-        return (
-            self.spec.count >= NET_SPEC
-            and self.plain.count >= NET_PLAIN
-            and self.spec.value < (1 - NET_MARGIN) * self.plain.value
-        )
+    def winner(self) -> str:
+        model, plain = self.goodput[MODEL].value, self.goodput[PLAIN].value
+        return MODEL if model > (1 + NET_MARGIN) * plain else PLAIN
 
-    def verdict(self) -> str | None:
-        """Before a decision: ``"plain"`` (forced, speculation loses here),
-        ``"measure"`` (plain, to measure plain) or None (the model decides)."""
-        self.decisions += 1
-        if self.measuring:
-            self.measuring -= 1
-            return "measure"
-        if self.plain.count < NET_PLAIN and self.decisions % PROBE_EVERY == 0:
-            self.measuring = NET_PLAIN  # a run, whose first step is not steady
-            return "measure"
-        if self.probing:
-            self.probing -= 1
-            if not self.probing:  # the probe's outcome sets the next wait
-                self.wait = min(2 * self.wait, PROBE_MAX) if self.losing() else PROBE_EVERY
-                self.countdown = self.wait
-            return None
-        if not self.losing():
-            self.countdown = self.wait
-            return None
-        self.countdown -= 1
-        if self.countdown <= 0:  # this decision and PROBE_STEPS - 1 more
-            self.probing = PROBE_STEPS - 1
-            return None
-        return "plain"
+    def next_regime(self) -> str:
+        """The regime of the bucket's next block."""
+        model, plain = self.goodput[MODEL], self.goodput[PLAIN]
+        if not model.blocks or not plain.blocks:  # each measured first
+            return PLAIN if model.blocks else MODEL
+        leader = self.winner()
+        if self.countdown is None:  # armed from the gap as measured now
+            low, high = sorted((model.value, plain.value))
+            gap = high / max(low, 1e-12) - 1
+            self.countdown = min(max(round(gap / EXPLORE_LOSS), EXPLORE_MIN), EXPLORE_MAX)
+        if self.countdown > 0:
+            self.countdown -= 1
+            return leader
+        self.countdown = None
+        return PLAIN if leader == MODEL else MODEL
+
+
+@dataclass
+class _Block:
+    """The steps in a row that one regime decides, and what they measured."""
+
+    net: _SafetyNet
+    regime: str
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
 
 
 # ---- the planner -----------------------------------------------------------------------
@@ -254,15 +266,19 @@ class SpecPlanner:
         first launches and made-up prompts say nothing of real steps); the
         profiled table stays."""
         self.rates = [self.prior] * self.width  # engine-wide acceptance per position
-        # Calibration of confidences per position: EMA of accepted and of predicted.
-        self.cal_acc = [_Ewma() for _ in range(self.width)]
-        self.cal_conf = [_Ewma() for _ in range(self.width)]
+        # Calibration of confidences per position: EMA of accepted and of
+        # predicted, both from one value (a scale of 1: the head's word), so
+        # that a first rejection moves the scale by a step, not to 0 (which
+        # would cut every later chain to nothing, and so never be measured
+        # again).
+        self.cal_acc = [_Ewma(value=CAL_PRIOR) for _ in range(self.width)]
+        self.cal_conf = [_Ewma(value=CAL_PRIOR) for _ in range(self.width)]
         # log(measured / profiled) per cell: an EWMA in logs, from 0 (the
         # profile's word), so an outlier moves it by a factor, not to itself.
         self.correction: dict[tuple[int, int], _Ewma] = {}
         self.draft_cost: dict[int, _Ewma] = {}  # seconds by drafting-requests bucket
-        self.nets: dict[int, _SafetyNet] = {}  # by load bucket
-        self._last_spec = False  # whether the last decode step verified drafts
+        self.nets: dict[int, _SafetyNet] = {}  # by load_bucket
+        self.block: _Block | None = None  # the steps the current regime decides
         self.stats = PlannerStats()
 
     # ---- estimates -------------------------------------------------------------------
@@ -396,9 +412,8 @@ class SpecPlanner:
         (pinned), whose drafter forward is paid already."""
         if not self.gate:
             return list(limits)
-        verdict = self.nets.setdefault(bucket(len(owns) + drafting), _SafetyNet()).verdict()
-        if verdict is not None:
-            self.stats.forced_plain += int(verdict == "plain")
+        if self.regime(requests) == PLAIN:
+            self.stats.forced_plain += 1
             return [0] * len(owns)
         survival = [survival_of(self.estimates(o)[:k]) for o, k in zip(owns, limits)]
         fixed = len(owns) + extra
@@ -419,6 +434,17 @@ class SpecPlanner:
         curve = self.step_curve(requests, fixed_tokens, sum(map(len, survival)) + 1)
         return choose_drafts(survival, lambda t: curve[t - fixed_tokens], fixed_tokens)
 
+    def regime(self, requests: int) -> str:
+        """Who decides the next step (at ``requests`` running): the block in
+        progress's regime, or a new block's, its bucket's choice."""
+        block = self.block
+        if block is None or block.steps >= BLOCK_STEPS:
+            if block is not None:
+                block.net.goodput[block.regime].add(block.tokens, block.seconds)
+            net = self.nets.setdefault(load_bucket(requests), _SafetyNet())
+            block = self.block = _Block(net, net.next_regime())
+        return block.regime
+
     # ---- measurements ----------------------------------------------------------------
 
     def observe_draft(self, n: int, seconds: float) -> None:
@@ -430,14 +456,14 @@ class SpecPlanner:
         tokens: int,
         decoding: int,
         drafts: int,
-        committed: int,
+        generated: int,
         seconds: float,
         draft_seconds: float,
     ) -> None:
         """A measured step: ``requests`` of ``tokens`` in all, ``decoding`` of
-        them decoding with ``drafts`` drafts verified in all, ``committed``
-        tokens committed by those, in ``seconds`` (plus ``draft_seconds``
-        spent deciding and drafting them the step before)."""
+        them decoding with ``drafts`` drafts verified in all, ``generated``
+        tokens generated (by every request), in ``seconds`` (plus
+        ``draft_seconds`` spent deciding and drafting them the step before)."""
         cell = self._cell(requests, tokens)
         raw = self.costs(requests, tokens)
         self.stats.predicted_seconds += raw * self._factor(cell)
@@ -445,20 +471,19 @@ class SpecPlanner:
             ratio = min(max(seconds / max(raw, 1e-12), 1 / MAX_CORRECTION), MAX_CORRECTION)
             self.correction.setdefault(cell, _Ewma(value=0.0)).add(math.log(ratio))
         self.stats.measured_seconds += seconds
+        if self.block is not None and math.isfinite(seconds):
+            # Every step counts, the first after a switch (which pays the
+            # drafter's catch-up) and those with prefill chunks too: the
+            # regime's cost is all of it.
+            self.block.steps += 1
+            self.block.tokens += generated
+            self.block.seconds += seconds + draft_seconds
         if not decoding:
             return
         self.stats.steps += 1
         self.stats.drafts[drafts] = self.stats.drafts.get(drafts, 0) + 1
         if drafts == 0:
             self.stats.plain_steps += 1
-        spec = drafts > 0
-        steady, self._last_spec = spec == self._last_spec, spec
-        # Decode-only steps compare, each kind only in a run of its own: the
-        # first speculative step pays the drafter's catch-up, and the first
-        # plain one (on a CPU) the caches the drafter's forward took.
-        if decoding == requests and math.isfinite(seconds) and steady:
-            net = self.nets.setdefault(bucket(decoding), _SafetyNet())
-            (net.spec if spec else net.plain).add(committed, seconds + draft_seconds)
 
 
 def build_planner(
