@@ -21,7 +21,7 @@ from specserve.speculative.planner import (
     static_lengths,
     survival_of,
 )
-from specserve.speculative.step_costs import CostTable, profile_costs
+from specserve.speculative.step_costs import CostTable, StepCosts, profile_costs
 from specserve.tools.tiny_model import make_tiny_dspark
 
 
@@ -95,11 +95,16 @@ def test_the_cost_table_interpolates_and_round_trips(tmp_path) -> None:
     assert table(2, 2) == pytest.approx(2.0)  # between 1 and 4 requests at 1 token each
     assert table(8, 8) == pytest.approx(8.0)  # linear past 4 requests: 1 + 3 * 7 / 3
     path = tmp_path / "costs.json"
-    table.save(str(path))
-    assert CostTable.load(str(path))(3, 9) == pytest.approx(table(3, 9))
+    draft = CostTable([1, 4], [1], [[0.5], [0.9]])
+    StepCosts(table, draft).save(str(path))
+    back = StepCosts.load(str(path))
+    assert back.target(3, 9) == pytest.approx(table(3, 9))
+    assert back.draft is not None and back.draft(2, 2) == pytest.approx(draft(2, 2))
+    StepCosts(table).save(str(path))  # no drafter profiled (n-gram)
+    assert StepCosts.load(str(path)).draft is None
     (tmp_path / "old.json").write_text(json.dumps({"1": 100.0}))  # the old format
     with pytest.raises(ValueError, match="sps_table_path"):
-        CostTable.load(str(tmp_path / "old.json"))
+        StepCosts.load(str(tmp_path / "old.json"))
 
 
 def test_profiled_tables_are_monotone() -> None:
@@ -154,6 +159,23 @@ def test_an_unmeasured_drafter_load_is_priced_from_the_measured_ones() -> None:
     planner.observe_draft(16, 0.005)  # cheaper than 8: the slope past it is 0, not negative
     assert planner.draft_seconds(64) == pytest.approx(0.005)
     assert planner._draft_curve(8, 8)[0] == 0.0  # what is paid anyway costs nothing more
+
+
+def test_a_profiled_drafter_prices_every_load_and_is_corrected_online() -> None:
+    """With the drafter's round profiled at start-up, no load is unmeasured
+    (a first slow round at 8 requests once priced 1 request's round at 8's
+    for hundreds of steps, and kept a batch-1 engine plain); measured rounds
+    correct their bucket as the step's cells are corrected."""
+    draft = CostTable([1, 8], [1], [[0.002], [0.008]])
+    planner = SpecPlanner(4, CostTable([1], [1], [[1.0]]), draft_costs=draft)
+    assert planner.draft_seconds(1) == pytest.approx(0.002)
+    assert planner.draft_seconds(4) == pytest.approx(0.002 + 0.006 * 3 / 7)
+    planner.observe_draft(8, 0.160)  # one stall: a bounded step, not 20x
+    assert 0.008 < planner.draft_seconds(8) < 0.012
+    for _ in range(60):
+        planner.observe_draft(8, 0.016)
+    assert planner.draft_seconds(8) == pytest.approx(0.016, rel=0.05)
+    assert planner.draft_seconds(1) == pytest.approx(0.002)  # other loads keep theirs
 
 
 def run_steps(planner: SpecPlanner, steps: int, spec: tuple, plain: tuple, requests: int = 4):
@@ -452,6 +474,10 @@ def test_the_default_engine_profiles_its_table_and_stays_exact(drafters, plain_o
         planner = eng.core.spec.planner
         assert planner is not None and planner.gate
         assert planner.costs.counts[0] == 1 and planner.costs.chains[0] == 1
+        # The drafter's round is profiled at the same counts.
+        assert planner.draft_costs is not None
+        assert planner.draft_costs.counts == planner.costs.counts
+        assert all(row[0] > 0 for row in planner.draft_costs.times)
         outs = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert [o["output_ids"] for o in outs] == [p["output_ids"] for p in plain_outputs]
         assert eng.stats()["spec_steps"] > 0

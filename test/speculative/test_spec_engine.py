@@ -352,6 +352,8 @@ def test_budget_profile_is_saved_and_reused(drafters, tmp_path) -> None:
         block = eng.proposer.max_drafts
         assert saved["counts"][0] == 1 and saved["chains"] == sorted({1, 2, 4, block + 1})
         assert all(t > 0 for row in saved["seconds"] for t in row)
+        assert len(saved["draft_seconds"]) == len(saved["counts"])  # the drafter's round
+        assert all(t > 0 for t in saved["draft_seconds"])
         eng.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY)
         decided = dict(eng.core.spec.planner.stats.drafts)
     finally:
@@ -359,6 +361,7 @@ def test_budget_profile_is_saved_and_reused(drafters, tmp_path) -> None:
     again = engine(cfg)  # reads the file instead of profiling
     try:
         assert again.core.spec.planner.costs.times == saved["seconds"]
+        assert again.core.spec.planner.draft_costs.times == [[t] for t in saved["draft_seconds"]]
         again.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY)
         # Without the online correction, one table decides alike run after run.
         assert dict(again.core.spec.planner.stats.drafts) == decided

@@ -140,8 +140,7 @@ class Engine:
         self.capture_graphs()
         planner = None
         if self.proposer is not None:  # profiled over the forwards as they will run
-            p = self.proposer
-            planner = build_planner(self.config, self.runner, p.max_drafts, p.capture_layer_ids)
+            planner = build_planner(self.config, self.runner, self.proposer)
         self.core = EngineCore(self.config, self.runner, self.tokenizer, self.proposer, planner)
 
     def _rank_lost(self, why: str) -> None:

@@ -61,6 +61,14 @@ class Proposer(ABC):
         """Drops the request's draft state (finished, aborted or preempted)."""
         req.draft_state = None
 
+    def profile_round(self, n: int, prefix: int) -> Callable[[], None] | None:
+        """A function that drafts one round for ``n`` made-up greedy requests,
+        each after ``prefix`` cached positions with a round's commits
+        pending, and frees them again: what the cost model times at
+        start-up. None: a round costs next to nothing here, or cannot run
+        made up (the cost model then measures it online)."""
+        return None
+
     @property
     def pools(self) -> list[BlockPool]:
         """The page allocators of the proposer's own caches (a drafter's KV),

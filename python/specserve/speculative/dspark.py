@@ -20,7 +20,7 @@ the context grows.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +36,7 @@ from specserve.layers.attention import (
     make_attention_backend,
 )
 from specserve.runner.model_runner import ModelRunner
+from specserve.sampling.params import SamplingParams
 from specserve.speculative.base import DraftProposal, Proposer
 from specserve.speculative.block_drafter import BlockDrafter
 from specserve.speculative.block_graphs import (
@@ -61,6 +62,9 @@ from specserve.speculative.dspark_model import Attend
 from specserve.speculative.planner import static_lengths
 
 logger = logging.getLogger(__name__)
+
+# The made-up requests a round is profiled on (``profile_requests``).
+PROFILE_SAMPLING = SamplingParams(temperature=0.0)
 
 
 @dataclass
@@ -184,6 +188,35 @@ class DSparkProposer(Proposer):
     @property
     def pools(self) -> list[BlockPool]:
         return [self.block_pool]
+
+    def profile_round(self, n: int, prefix: int) -> Callable[[], None] | None:
+        if self.shard is not None:  # a split drafter's rounds are plans every rank joins
+            return None
+        # As long a context as the free draft pages hold for n blocks.
+        ps, g = self.block_pool.page_size, self.max_drafts
+        prefix = min(prefix, self.block_pool.free_pages() // n * ps - g)
+        rows = min(2, prefix)  # what a round typically commits
+        if rows < 1:
+            return None
+        d = self.model.feature_weight.shape[1]
+
+        def round_() -> None:
+            reqs = []
+            for i in range(n):
+                req = Req(f"profile-{i}", [0] * prefix, PROFILE_SAMPLING)
+                req.output_ids = [0]
+                feats = self.model.feature_weight.new_zeros(rows, d)
+                # The context K/V before the pending rows are whatever the
+                # pages hold: only the time counts.
+                req.draft_state = DSparkState([], prefix - rows, [feats], rows)
+                reqs.append(req)
+            try:
+                self.propose(reqs, [self.max_drafts] * n)
+            finally:
+                for req in reqs:
+                    self.release(req)
+
+        return round_
 
     def _pending(
         self, reqs: Sequence[Req]

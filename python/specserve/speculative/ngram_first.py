@@ -12,7 +12,7 @@ deterministic, one-hot ``q``), so the output is exactly plain decoding's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -54,6 +54,10 @@ class NgramFirstProposer(Proposer):
 
     def release(self, req: Req) -> None:
         self.drafter.release(req)
+
+    def profile_round(self, n: int, prefix: int) -> Callable[[], None] | None:
+        """The drafter's round: what a request the lookup finds nothing for costs."""
+        return self.drafter.profile_round(n, prefix)
 
     @property
     def pools(self) -> list[BlockPool]:

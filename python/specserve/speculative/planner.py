@@ -33,11 +33,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from specserve.speculative.step_costs import CostTable, profile_step_costs
+from specserve.speculative.step_costs import CostTable, StepCosts, profile_step_costs
 
 if TYPE_CHECKING:  # the planner imports no stage at run time
     from specserve.config import EngineConfig
     from specserve.runner.model_runner import ModelRunner
+    from specserve.speculative.base import Proposer
 
 # EWMA weight of one new observation.
 ALPHA = 0.1
@@ -252,11 +253,21 @@ class PlannerStats:
 class SpecPlanner:
     """Decides each step's verify lengths (see the module's docstring)."""
 
-    def __init__(self, width: int, costs: CostTable, gate: bool = True, prior: float = PRIOR):
+    def __init__(
+        self,
+        width: int,
+        costs: CostTable,
+        gate: bool = True,
+        prior: float = PRIOR,
+        draft_costs: CostTable | None = None,
+    ):
         """``width``: the most drafts a round verifies; ``gate``: decide before
-        drafting (adaptive), else only refine what was drafted."""
+        drafting (adaptive), else only refine what was drafted;
+        ``draft_costs``: the drafter's round by requests, profiled (None:
+        measured online only)."""
         self.width = width
         self.costs = costs
+        self.draft_costs = draft_costs
         self.gate = gate
         self.prior = prior
         self.reset()
@@ -276,7 +287,9 @@ class SpecPlanner:
         # log(measured / profiled) per cell: an EWMA in logs, from 0 (the
         # profile's word), so an outlier moves it by a factor, not to itself.
         self.correction: dict[tuple[int, int], _Ewma] = {}
-        self.draft_cost: dict[int, _Ewma] = {}  # seconds by drafting-requests bucket
+        # By drafting-requests bucket: log(measured / profiled) with a
+        # profile (as the step's cells), else the seconds themselves.
+        self.draft_cost: dict[int, _Ewma] = {}
         self.nets: dict[int, _SafetyNet] = {}  # by load_bucket
         self.block: _Block | None = None  # the steps the current regime decides
         self.stats = PlannerStats()
@@ -352,11 +365,19 @@ class SpecPlanner:
         return self._draft_buckets(bucket(n))[-1] if n else 0.0
 
     def _draft_buckets(self, top: int) -> list[float]:
-        """The drafter's seconds per requests bucket 0 .. ``top``: measured,
-        else a power law through the measured neighbours (past the largest,
-        the slope of the two largest, within [0, 1]: never dearer per
-        request for more of them). Below the smallest, its seconds:
-        optimistic, and a bucket that drafts once is measured."""
+        """The drafter's seconds per requests bucket 0 .. ``top``: profiled
+        and corrected online (as the step's cells), or without a profile
+        measured, else a power law through the measured neighbours (past
+        the largest, the slope of the two largest, within [0, 1]: never
+        dearer per request for more of them). Below the smallest, its
+        seconds: a bucket that drafts once is measured."""
+        if self.draft_costs is not None:
+            out = []
+            for b in range(top + 1):
+                fix = self.draft_cost.get(b)
+                f = math.exp(fix.value) if fix is not None and fix.value else 1.0
+                out.append(self.draft_costs(1 << b, 1 << b) * f)
+            return out
         known = sorted((b, e.value) for b, e in self.draft_cost.items() if e.value is not None)
         if not known:
             return [0.0] * (top + 1)
@@ -448,7 +469,12 @@ class SpecPlanner:
     # ---- measurements ----------------------------------------------------------------
 
     def observe_draft(self, n: int, seconds: float) -> None:
-        self.draft_cost.setdefault(bucket(n), _Ewma()).add(seconds)
+        if self.draft_costs is None:
+            self.draft_cost.setdefault(bucket(n), _Ewma()).add(seconds)
+            return
+        table = self.draft_costs(n, n)
+        ratio = min(max(seconds / max(table, 1e-12), 1 / MAX_CORRECTION), MAX_CORRECTION)
+        self.draft_cost.setdefault(bucket(n), _Ewma(value=0.0)).add(math.log(ratio))
 
     def observe_step(
         self,
@@ -487,19 +513,19 @@ class SpecPlanner:
 
 
 def build_planner(
-    config: EngineConfig, runner: ModelRunner, width: int, capture: tuple[int, ...]
+    config: EngineConfig, runner: ModelRunner, proposer: Proposer
 ) -> SpecPlanner | None:
     """The planner the configuration asks for (None: fixed lengths), its
-    table loaded from ``--speculative-dspark-sps-table-path`` or profiled
+    tables loaded from ``--speculative-dspark-sps-table-path`` or profiled
     now (and saved there)."""
-    spec = config.spec
+    spec, width = config.spec, proposer.max_drafts
     if not spec.enabled or not (spec.adaptive or spec.schedule == "budget") or width == 0:
         return None
     path = spec.sps_table_path
     if path and os.path.exists(path):
-        costs = CostTable.load(path)
+        costs = StepCosts.load(path)
     else:
-        costs = profile_step_costs(runner, width, config.scheduler.max_running_requests, capture)
+        costs = profile_step_costs(runner, proposer, config.scheduler.max_running_requests)
         if path:  # profiled once, reused by later starts
             costs.save(path)
-    return SpecPlanner(width, costs, gate=spec.adaptive)
+    return SpecPlanner(width, costs.target, gate=spec.adaptive, draft_costs=costs.draft)

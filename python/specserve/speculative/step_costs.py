@@ -1,5 +1,6 @@
-"""What a target step costs: a table over (running requests, step tokens),
-profiled at start-up on the forwards real steps run, or read from a file."""
+"""What a step costs: the target's forward over (running requests, step
+tokens) and the drafter's round over requests, profiled at start-up on the
+code real steps run, or read from a file."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:  # profiled through the runner, imported by no stage at run time
     from specserve.runner.model_runner import ModelRunner
+    from specserve.speculative.base import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -61,20 +64,38 @@ class CostTable:
     def to_dict(self) -> dict:
         return {"counts": self.counts, "chains": self.chains, "seconds": self.times}
 
+
+@dataclass
+class StepCosts:
+    """The cost model's tables: the target's step, and the drafter's round
+    by requests (None: measured online)."""
+
+    target: CostTable
+    draft: CostTable | None = None
+
     @classmethod
-    def load(cls, path: str) -> CostTable:
+    def load(cls, path: str) -> StepCosts:
+        """``{"counts", "chains", "seconds"}`` (the target's) and, if profiled,
+        ``"draft_seconds"`` (the drafter's round at each count)."""
         try:
             with open(path) as f:
                 raw = json.load(f)
-            return cls(raw["counts"], raw["chains"], raw["seconds"])
+            target = CostTable(raw["counts"], raw["chains"], raw["seconds"])
+            draft = raw.get("draft_seconds")
+            if draft is not None:
+                draft = CostTable(raw["counts"], [1], [[t] for t in draft])
+            return cls(target, draft)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(
                 f"speculative_dspark_sps_table_path: cannot read a cost table from {path!r}: {e!r}"
             ) from None
 
     def save(self, path: str) -> None:
+        raw = self.target.to_dict()
+        if self.draft is not None:  # at the target's counts (past the profiled: linear)
+            raw["draft_seconds"] = [self.draft(n, n) for n in self.target.counts]
         with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
+            json.dump(raw, f, indent=1)
 
 
 def _lerp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
@@ -123,24 +144,34 @@ def profile_costs(
 PROFILE_PREFIX = 256
 
 
-def profile_step_costs(
-    runner: ModelRunner, width: int, max_running: int, capture_layer_ids: tuple[int, ...]
-) -> CostTable:
-    """The cost table over the target's forwards as they will run (captured
-    graphs where they apply): 1 .. ``max_running`` requests (powers of two)
-    of plain (1), short and whole (``width + 1``) verify chains, each over a
-    cached prefix."""
+def profile_step_costs(runner: ModelRunner, proposer: Proposer, max_running: int) -> StepCosts:
+    """The cost tables over the forwards as they will run (captured graphs
+    where they apply): the target at 1 .. ``max_running`` requests (powers
+    of two) of plain (1), short and whole (``width + 1``) verify chains, each
+    over a cached prefix; the drafter's round at the same counts, where the
+    proposer can run one made up."""
+    width = proposer.max_drafts
     counts = sorted({min(2**k, max_running) for k in range(max_running.bit_length() + 1)})
     chains = sorted({c for c in (1, 2, 4, width + 1) if c <= width + 1})
     prefix = max(0, min(PROFILE_PREFIX, runner.context_length - width - 1))
+    capture = proposer.capture_layer_ids
     start = time.perf_counter()
-    table = profile_costs(
-        lambda n, c: runner.verify_forward(n * c, c, prefix, capture_layer_ids), counts, chains
+    target = profile_costs(
+        lambda n, c: runner.verify_forward(n * c, c, prefix, capture), counts, chains
     )
+    # The drafter at the counts its pool holds (the table goes on linearly).
+    rounds = {n: r for n in counts if (r := proposer.profile_round(n, prefix)) is not None}
+    draft = None
+    if 1 in rounds:
+        draft = profile_costs(lambda n, _: rounds[n](), sorted(rounds), [1])
     logger.info(
-        "step costs profiled in %.1fs (ms by requests x tokens per request %s): %s",
+        "step costs profiled in %.1fs (ms by requests x tokens per request %s%s): %s",
         time.perf_counter() - start,
         chains,
-        json.dumps({n: [round(1e3 * t, 2) for t in row] for n, row in zip(counts, table.times)}),
-    )
-    return table
+        ", then the drafter's round" if draft is not None else "",
+        json.dumps({
+            n: [round(1e3 * t, 2) for t in row] + ([round(1e3 * draft(n, n), 2)] if draft else [])
+            for n, row in zip(counts, target.times)
+        }),
+    )  # fmt: skip
+    return StepCosts(target, draft)
