@@ -18,6 +18,7 @@ from specserve.speculative.planner import (
     PRIOR,
     SpecPlanner,
     choose_drafts,
+    load_bucket,
     static_lengths,
     survival_of,
 )
@@ -200,18 +201,33 @@ def blocks(spoke: list[bool]) -> list[bool]:
     return [c[0] for c in chunks]
 
 
+def waits(spoke: list[bool], explored: bool) -> list[int]:
+    """The winner's blocks before each of the loser's (``explored``) blocks."""
+    out, run = [], 0
+    for s in spoke:
+        if s == explored:
+            out.append(run)
+            run = 0
+        else:
+            run += 1
+    return out
+
+
+# The loser's waits as it gets measured: doubling from EXPLORE_MIN to
+# EXPLORE_MAX (a gap of 100% alone would wait the most at once).
+DOUBLING = [EXPLORE_MIN << k for k in range((EXPLORE_MAX // EXPLORE_MIN).bit_length())]
+
+
 def test_the_net_turns_a_losing_bucket_plain_and_explores_it_by_its_loss() -> None:
     """The model (a flat table: drafts look free) speculates; measured,
     speculation delivers half of plain's goodput. After one block of each,
-    the bucket is plain, and the model gets one block in EXPLORE_MAX + 1
-    (it loses by 100%, far past what EXPLORE_LOSS allows often)."""
+    the bucket is plain, and the model's blocks grow rarer as they keep
+    losing: the wait doubles per block measured, up to EXPLORE_MAX."""
     planner = flat_planner()
-    spoke = blocks(run_steps(planner, BLOCK_STEPS * 70, spec=(4, 2.0), plain=(4, 1.0)))
+    steps = BLOCK_STEPS * (2 + sum(DOUBLING) + len(DOUBLING) + EXPLORE_MAX + 1)
+    spoke = blocks(run_steps(planner, steps, spec=(4, 2.0), plain=(4, 1.0)))
     assert spoke[:2] == [True, False]  # each regime measured once
-    later = spoke[2:]
-    assert later[:EXPLORE_MAX] == [False] * EXPLORE_MAX
-    assert later[EXPLORE_MAX] is True
-    assert later[EXPLORE_MAX + 1 :][:EXPLORE_MAX] == [False] * EXPLORE_MAX
+    assert waits(spoke[2:], True) == [*DOUBLING, EXPLORE_MAX]
     assert planner.stats.forced_plain == BLOCK_STEPS * spoke.count(False)
     # Another load bucket is not affected: it measures the model first.
     assert run_steps(planner, 1, spec=(4, 2.0), plain=(4, 1.0), requests=16) == [True]
@@ -219,10 +235,24 @@ def test_the_net_turns_a_losing_bucket_plain_and_explores_it_by_its_loss() -> No
 
 def test_a_winning_model_keeps_its_bucket_and_plain_is_measured_rarely() -> None:
     planner = flat_planner()
-    spoke = blocks(run_steps(planner, BLOCK_STEPS * 40, spec=(16, 2.0), plain=(4, 1.0)))
+    steps = BLOCK_STEPS * (2 + sum(DOUBLING) + len(DOUBLING))
+    spoke = blocks(run_steps(planner, steps, spec=(16, 2.0), plain=(4, 1.0)))
     assert spoke[:2] == [True, False]
-    assert spoke[2 : 2 + EXPLORE_MAX] == [True] * EXPLORE_MAX
-    assert spoke[2 + EXPLORE_MAX] is False
+    assert waits(spoke[2:], False) == DOUBLING
+
+
+def test_one_slow_block_does_not_condemn_a_regime_for_long() -> None:
+    """Plain's only block was slow (a stall): the model leads, but plain is
+    measured again within EXPLORE_MIN blocks, and its real goodput wins."""
+    planner = flat_planner()
+    spoke = blocks(run_steps(planner, BLOCK_STEPS, spec=(4, 1.0), plain=(4, 1.0)))
+    spoke += blocks(run_steps(planner, BLOCK_STEPS, spec=(4, 1.0), plain=(4, 10.0)))
+    spoke += blocks(run_steps(planner, BLOCK_STEPS * 40, spec=(4, 1.2), plain=(4, 1.0)))
+    assert spoke[:2] == [True, False]
+    assert spoke[2 + EXPLORE_MIN] is False  # measured again soon
+    # Plain's real goodput wins the bucket: the stall is one block of its last few.
+    assert planner.nets[load_bucket(4)].winner() == "plain"
+    assert spoke[-20:].count(False) >= 19
 
 
 def test_a_close_race_is_explored_often_and_a_tie_goes_plain() -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -65,19 +66,20 @@ CAL_PRIOR = 0.5
 MAX_CORRECTION = 16.0
 # The safety net measures what the engine delivers: per load bucket, blocks
 # of BLOCK_STEPS steps in a row either decided by the model or all plain,
-# each block's goodput (every token the steps generated, prefills included,
-# over their seconds, drafting included) added to its regime's decayed sums
-# (GOODPUT_ALPHA per block). The model keeps a bucket only while it measures
-# NET_MARGIN more goodput than plain (a tie goes plain: speculation must not
-# cost throughput). The loser runs one block every `wait` blocks, `wait` set
-# so that exploring costs about EXPLORE_LOSS of the winner's goodput (a
-# loser that loses by 20% waits 20 blocks), within [EXPLORE_MIN,
-# EXPLORE_MAX]. Each regime runs a block before the net judges.
+# each block's goodput every token the steps generated (prefills included)
+# over their seconds (drafting included). Two adjacent blocks of the two
+# regimes give a ratio; the median of a bucket's last NET_RECENT ratios
+# decides. The model keeps a bucket only while it leads by NET_MARGIN (a tie
+# goes plain: speculation must not cost throughput). The loser runs one
+# block every `wait` blocks, `wait` set so that exploring costs about
+# EXPLORE_LOSS of the winner's goodput (a loser that loses by 20% waits 20
+# blocks), within [EXPLORE_MIN, EXPLORE_MAX] and doubling at most per
+# exploration. The model runs the first block, plain the second.
 BLOCK_STEPS = 16
-GOODPUT_ALPHA = 0.3
-NET_MARGIN = 0.02
+NET_RECENT = 5
+NET_MARGIN = 0.05
 EXPLORE_LOSS = 0.01
-EXPLORE_MIN, EXPLORE_MAX = 4, 32
+EXPLORE_MIN, EXPLORE_MAX = 4, 64
 
 
 # ---- the decision ----------------------------------------------------------------------
@@ -161,52 +163,54 @@ class _Ewma:
         self.count += 1
 
 
-@dataclass
-class _Goodput:
-    """Generated tokens per second over a regime's blocks: decayed sums, so
-    that a slow block weighs by its seconds."""
-
-    tokens: float = 0.0
-    seconds: float = 0.0
-    blocks: int = 0
-
-    def add(self, tokens: float, seconds: float) -> None:
-        self.tokens = (1 - GOODPUT_ALPHA) * self.tokens + tokens
-        self.seconds = (1 - GOODPUT_ALPHA) * self.seconds + seconds
-        self.blocks += 1
-
-    @property
-    def value(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
 MODEL, PLAIN = "model", "plain"
 
 
 @dataclass
 class _SafetyNet:
-    """One load bucket's measured goodput under each regime, and which
-    regime its next block runs."""
+    """One load bucket's measurements and which regime its next block runs.
 
-    goodput: dict[str, _Goodput] = field(
-        default_factory=lambda: {MODEL: _Goodput(), PLAIN: _Goodput()}
-    )
+    Each time a block follows one of the other regime, the two, adjacent in
+    time, give a ratio of the model's goodput to plain's; the bucket keeps
+    its last NET_RECENT ratios and goes by their median. Adjacent blocks
+    share the machine's state, which drifts by more than the differences
+    judged (another process, a slower clock: 10-25% over minutes on a
+    shared 2-core machine), and a median ignores one stalled block."""
+
+    ratios: list[float] = field(default_factory=list)  # model / plain, adjacent blocks
+    pairs: int = 0
+    last: tuple[str, float] | None = None  # the bucket's last block: regime, goodput
     countdown: int | None = None  # the winner's blocks before the loser's next one
 
+    def add(self, regime: str, goodput: float) -> None:
+        if self.last is not None and self.last[0] != regime:
+            other = self.last[1]
+            model, plain = (goodput, other) if regime == MODEL else (other, goodput)
+            self.ratios = [*self.ratios[1 - NET_RECENT :], model / max(plain, 1e-12)]
+            self.pairs += 1
+        self.last = (regime, goodput)
+
+    @property
+    def lead(self) -> float:
+        """The model's goodput over plain's (1 before any pair)."""
+        return statistics.median(self.ratios) if self.ratios else 1.0
+
     def winner(self) -> str:
-        model, plain = self.goodput[MODEL].value, self.goodput[PLAIN].value
-        return MODEL if model > (1 + NET_MARGIN) * plain else PLAIN
+        return MODEL if self.lead > 1 + NET_MARGIN else PLAIN
 
     def next_regime(self) -> str:
         """The regime of the bucket's next block."""
-        model, plain = self.goodput[MODEL], self.goodput[PLAIN]
-        if not model.blocks or not plain.blocks:  # each measured first
-            return PLAIN if model.blocks else MODEL
+        if not self.ratios:  # the model first, then plain beside it
+            return PLAIN if self.last is not None and self.last[0] == MODEL else MODEL
         leader = self.winner()
         if self.countdown is None:  # armed from the gap as measured now
-            low, high = sorted((model.value, plain.value))
-            gap = high / max(low, 1e-12) - 1
-            self.countdown = min(max(round(gap / EXPLORE_LOSS), EXPLORE_MIN), EXPLORE_MAX)
+            lead = self.lead
+            gap = max(lead, 1 / max(lead, 1e-12)) - 1
+            # A long wait needs several pairs: it at most doubles per
+            # exploration (one slow block must not condemn a regime for long).
+            known = EXPLORE_MIN << (self.pairs // 2)
+            wait = min(round(gap / EXPLORE_LOSS), known, EXPLORE_MAX)
+            self.countdown = max(wait, EXPLORE_MIN)
         if self.countdown > 0:
             self.countdown -= 1
             return leader
@@ -461,7 +465,7 @@ class SpecPlanner:
         block = self.block
         if block is None or block.steps >= BLOCK_STEPS:
             if block is not None:
-                block.net.goodput[block.regime].add(block.tokens, block.seconds)
+                block.net.add(block.regime, block.tokens / max(block.seconds, 1e-12))
             net = self.nets.setdefault(load_bucket(requests), _SafetyNet())
             block = self.block = _Block(net, net.next_regime())
         return block.regime
