@@ -33,7 +33,8 @@ def fixed_verify_lengths() -> Iterator[None]:
     the speculative suites test the rounds themselves, which the cost model
     (timed, so not repeatable) would otherwise skip on tiny models, and
     seeded outputs must not depend on the batch. Session-wide, so that
-    module fixtures' engines get it too; servers a test starts do not."""
+    module fixtures' engines get it too (servers started through
+    server_harness.running_server get the flag there)."""
     from specserve.config import EngineConfig
 
     build = EngineConfig.from_kwargs.__func__  # type: ignore[attr-defined]

@@ -69,7 +69,14 @@ def running_server(
     log_dir: str,
     launch: list[str] | None = None,
 ) -> Iterator[Server]:
-    """``launch``: the command line before the flags (default: SGLang's spelling)."""
+    """``launch``: the command line before the flags (default: SGLang's spelling).
+    A speculative server verifies what its proposer drafted, every round
+    (``--speculative-adaptive off``), unless the flags say otherwise: as for
+    the engines tests build (conftest.py), the cost model is timed, so on a
+    tiny model it may rightly verify nothing, and a test that checks the
+    rounds would then check none."""
+    if "--speculative-algorithm" in flags and "--speculative-adaptive" not in flags:
+        flags = (*flags, "--speculative-adaptive", "off")
     port = free_port()
     cmd = [
         *(launch or LAUNCH),

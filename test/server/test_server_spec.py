@@ -13,12 +13,16 @@ from specserve.tools.tiny_model import make_tiny_dspark
 openai = pytest.importorskip("openai")
 
 
-@pytest.fixture(scope="module")
-def spec_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec-server")
+def _dspark_server(root, *extra: str):
     drafter = make_tiny_dspark(str(root / "drafter"), model_path("qwen3"), markov_head_type="gated")
     flags = ("--speculative-algorithm", "dspark", "--speculative-draft-model-path", drafter)
-    with running_server(model_path("qwen3"), *flags, log_dir=str(root)) as s:
+    return running_server(model_path("qwen3"), *flags, *extra, log_dir=str(root))
+
+
+@pytest.fixture(scope="module")
+def spec_server(tmp_path_factory):
+    """Fixed verify lengths (the harness's default), so every round verifies."""
+    with _dspark_server(tmp_path_factory.mktemp("spec-server")) as s:
         yield s
         stats = s.wait_idle()
         assert stats["grammar_matchers"] == 0
@@ -73,14 +77,19 @@ def test_accept_length_in_server_info_and_metrics(spec_server) -> None:
     assert float(line.split()[1]) == pytest.approx(info["mean_accept_length"])
 
 
-def test_the_cost_models_decisions_in_server_info_and_metrics(spec_server) -> None:
-    """The adaptive planner (on by default) reports its steps: the drafts
-    histogram in /metrics counts every decode step /get_server_info counts,
-    its 0 bucket the plain ones."""
-    spec_server.http.post(
+def test_the_cost_models_decisions_in_server_info_and_metrics(tmp_path) -> None:
+    """The adaptive planner reports its steps: the drafts histogram in
+    /metrics counts every decode step /get_server_info counts, its 0 bucket
+    the plain ones."""
+    with _dspark_server(tmp_path, "--speculative-adaptive", "on") as s:
+        _check_planner_reports(s)
+
+
+def _check_planner_reports(server) -> None:
+    server.http.post(
         "/generate", json={"text": "again", "sampling_params": {"max_new_tokens": 8}}
     )
-    body = spec_server.http.get("/get_server_info").json()
+    body = server.http.get("/get_server_info").json()
     info, stats = body["speculative"], body["stats"]
     assert info["adaptive"] is True and stats["spec_steps"] > 0
     assert info["plain_step_share"] == pytest.approx(
@@ -90,7 +99,7 @@ def test_the_cost_models_decisions_in_server_info_and_metrics(spec_server) -> No
     assert sum(per_step.values()) == stats["spec_steps"]
     assert stats["spec_measured_step_seconds"] > 0 and stats["spec_predicted_step_seconds"] > 0
     metrics = dict(
-        line.rsplit(" ", 1) for line in spec_server.http.get("/metrics").text.splitlines()
+        line.rsplit(" ", 1) for line in server.http.get("/metrics").text.splitlines()
         if line.startswith("specserve_spec_") and not line.startswith("#")
     )  # fmt: skip
     # Scraped after server_info: no step ran in between (the server is idle).

@@ -49,11 +49,12 @@ def servers(tmp_path_factory):
                     target, alg = v4[0], alg.removesuffix("-v4")
                 flags = ["--logprobs-mode", mode]
                 if alg != "plain":
-                    # Fixed lengths: every round verifies what was drafted, so
+                    # Fixed lengths (server_harness's default): every round
+                    # verifies what was drafted, so
                     # the suite tests speculation itself (the cost model,
                     # timed, would take plain steps on these random drafters;
                     # test_planner.py covers the mixed runs).
-                    flags += ["--speculative-algorithm", alg, "--speculative-adaptive", "off"]
+                    flags += ["--speculative-algorithm", alg]
                 if alg in ("DSPARK", "DFLASH") and target == model_path("qwen3"):
                     flags += ["--speculative-draft-model-path", drafter]
                 started[key] = stack.enter_context(
