@@ -10,8 +10,23 @@ from collections.abc import Sequence
 
 import torch
 
+from models_zoo import model_path
+from specserve.config import EngineConfig
 from specserve.core import Req
+from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.base import DraftProposal, Proposer
+from specserve.speculative.dspark import DSparkProposer
+
+# A JSON schema whose answers are short whatever the model (a bounded number
+# and an enum): grammar-constrained requests finish within a few dozen tokens.
+SMALL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        "k": {"enum": ["aa", "bb"]},
+    },
+    "required": ["n", "k"],
+}
 
 
 class OracleProposer(Proposer):
@@ -284,3 +299,23 @@ def record_drafts(eng) -> list[list[list[int]]]:
 
     proposer.propose = recorded
     return rounds
+
+
+def proposer_for(path: str, **kw) -> tuple[DSparkProposer, ModelRunner]:
+    """The DSpark proposer of the tiny Qwen3 target with the drafter at ``path``."""
+    cfg = EngineConfig.from_kwargs(
+        model_path("qwen3"),
+        device="cpu",
+        max_total_tokens=512,
+        page_size=4,
+        speculative_algorithm="DSPARK",
+        speculative_draft_model_path=path,
+        **kw,
+    )
+    runner = ModelRunner(cfg)
+    return DSparkProposer.from_config(cfg, runner), runner
+
+
+def features(n: int, width: int, seed: int) -> torch.Tensor:
+    """Random context features ``[n, width]``."""
+    return torch.randn(n, width, generator=torch.Generator().manual_seed(seed))

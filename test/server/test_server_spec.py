@@ -86,9 +86,7 @@ def test_the_cost_models_decisions_in_server_info_and_metrics(tmp_path) -> None:
 
 
 def _check_planner_reports(server) -> None:
-    server.http.post(
-        "/generate", json={"text": "again", "sampling_params": {"max_new_tokens": 8}}
-    )
+    server.http.post("/generate", json={"text": "again", "sampling_params": {"max_new_tokens": 8}})
     body = server.http.get("/get_server_info").json()
     info, stats = body["speculative"], body["stats"]
     assert info["adaptive"] is True and stats["spec_steps"] > 0

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from models_zoo import model_path
+from spec_helpers import features, proposer_for
 from specserve.config import EngineConfig
 from specserve.core import Req
 from specserve.kernels.dispatch import HAS_TRITON
@@ -34,24 +35,6 @@ def drafters(tmp_path_factory):
         str(root / "dflash"), target, markov_rank=0, confidence_head=False
     )
     return paths
-
-
-def proposer_for(path: str, **kw) -> tuple[DSparkProposer, ModelRunner]:
-    cfg = EngineConfig.from_kwargs(
-        model_path("qwen3"),
-        device="cpu",
-        max_total_tokens=512,
-        page_size=4,
-        speculative_algorithm="DSPARK",
-        speculative_draft_model_path=path,
-        **kw,
-    )
-    runner = ModelRunner(cfg)
-    return DSparkProposer.from_config(cfg, runner), runner
-
-
-def features(n: int, width: int, seed: int) -> torch.Tensor:
-    return torch.randn(n, width, generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize(

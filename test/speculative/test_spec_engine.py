@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models_zoo import model_path, random_prompts
-from spec_helpers import OracleProposer, VerifyRecorder
+from spec_helpers import SMALL_SCHEMA, OracleProposer, VerifyRecorder
 from specserve import Engine
 from specserve.speculative.base import Proposer
 from specserve.tools.tiny_model import make_tiny_dspark
@@ -235,14 +235,7 @@ def test_stop_strings_and_limits_inside_accepted_runs(plain) -> None:
 def test_json_schema_grammar_under_speculation(plain, drafters) -> None:
     jsonschema = pytest.importorskip("jsonschema")
     pytest.importorskip("xgrammar")
-    schema = {
-        "type": "object",
-        "properties": {
-            "n": {"type": "integer", "minimum": 0, "maximum": 999},
-            "k": {"enum": ["aa", "bb"]},
-        },
-        "required": ["n", "k"],
-    }
+    schema = SMALL_SCHEMA
     sp = {"json_schema": json.dumps(schema), "temperature": 0, "max_new_tokens": 60}
     prompts = random_prompts(3, [4, 9, 15], seed=53)
     expected = plain.generate(input_ids=prompts, sampling_params=sp)

@@ -257,27 +257,34 @@ def load_state(
     what: str,
     skip: set[str] = frozenset(),
     fp8_block: tuple[int, int] | None = None,
+    rename: Callable[[str], str | None] | None = None,
 ) -> None:
-    """Fills every parameter of ``model`` from ``files``; keys in ``skip`` are
-    neither expected nor loaded; FP8 block-scaled weights (``fp8_block``) are
-    dequantised into the parameter's dtype. Errors name the file and the key."""
+    """Fills every parameter of ``model`` from ``files``; keys in ``skip``
+    (the model's names, or checkpoint names of nothing it expects) are
+    neither expected nor loaded; FP8
+    block-scaled weights (``fp8_block``) are dequantised into the
+    parameter's dtype. ``rename``: a checkpoint name -> the model's (None:
+    not read), by default ``model.checkpoint_key``. Errors name the file
+    and the key."""
     targets, shards = checkpoint_layout(model)
     expected = {k: v for k, v in targets.items() if k not in skip}
     scales = _scales(files) if fp8_block is not None else {}
-    rename = getattr(model, "checkpoint_key", None) or (lambda key: key)
+    rename = rename or getattr(model, "checkpoint_key", None) or (lambda key: key)
     loaded: set[str] = set()
     left_out = 0
 
     def plan(key: str) -> tuple[bool, Shard | None]:
         """Whether this rank reads ``key``, and which slice of it."""
         nonlocal left_out
-        if key.endswith(_IGNORED_SUFFIXES) or key in skip:
+        if key.endswith(_IGNORED_SUFFIXES):
             return False, None
         if fp8_block is not None and scaled_weight(key) is not None:
             return False, None  # read with its weight
         ours = rename(key)
         if ours is None:  # another model's, or another rank's
             left_out += 1
+            return False, None
+        if ours in skip or (key in skip and ours not in expected):
             return False, None
         return True, shards.get(ours)
 

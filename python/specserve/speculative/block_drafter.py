@@ -32,13 +32,17 @@ class MarkovHead(nn.Module):
     Under tensor parallelism ``W2`` is split by vocabulary like the logits it
     corrects; ``W1`` and the gates are whole on every rank."""
 
-    def __init__(self, cfg: HeadConfig, group: RankGroup = SINGLE) -> None:
+    def __init__(
+        self, cfg: HeadConfig, group: RankGroup = SINGLE, out_vocab: int | None = None
+    ) -> None:
+        """``out_vocab``: ``W2``'s rows, a drafter's reduced vocabulary (default
+        the target's); ``W1`` is indexed by target ids either way."""
         super().__init__()
         r, d = cfg.markov_rank, cfg.hidden_size
         self.kind = cfg.markov_head_type
         self.rank = r
         self.markov_w1 = nn.Embedding(cfg.vocab_size, r)
-        self.markov_w2 = VocabParallelLinear(r, cfg.vocab_size, group)
+        self.markov_w2 = VocabParallelLinear(r, out_vocab or cfg.vocab_size, group)
         self.hot_w2: torch.Tensor | None = None  # [H, r]: W2's rows of a hot vocabulary
         if self.kind == "gated":
             self.gate_proj = nn.Linear(d + r, r)
@@ -111,19 +115,28 @@ class BlockDrafter(nn.Module):
         slice of it under tensor parallelism)."""
         raise NotImplementedError
 
-    def restrict_vocab(self, ids: torch.Tensor) -> None:
+    @property
+    def drafting_head(self) -> LogitsHead:
+        """The head drafts come from: the full vocabulary's, or a drafter's
+        own over its reduced vocabulary (whose rows ``restrict_vocab`` maps)."""
+        return self.vocab_head
+
+    def restrict_vocab(self, ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Drafts from the tokens ``ids [H]`` alone (SGLang's token map, as in
-        FR-Spec): the block's logits, Markov corrections and argmaxes cover
-        ``H`` tokens instead of the vocabulary. Only which drafts are proposed
-        changes: their distributions are zero off ``ids``, and verification
-        against the target stays exact. Under tensor parallelism each rank
-        keeps the hot ids of its vocabulary slice."""
-        full = self.vocab_head
-        rows, start = ids, getattr(full, "vocab_start", 0)
+        FR-Spec; a drafter's own reduced vocabulary): the block's logits,
+        Markov corrections and argmaxes cover ``H`` tokens instead of the
+        vocabulary. Only which drafts are proposed changes: their
+        distributions are zero off ``ids``, and verification against the
+        target stays exact. ``rows [H]``: the rows of ``drafting_head`` (and
+        of the Markov head's ``W2``) for ``ids``, by default ``ids`` themselves.
+        Under tensor parallelism each rank keeps the hot ids of its
+        vocabulary slice."""
+        full = self.drafting_head
+        rows, start = ids if rows is None else rows, getattr(full, "vocab_start", 0)
         if isinstance(full, VocabParallelHead) and full.group.size > 1:
             mine = (ids >= start) & (ids < start + full.vocab_real)
             self.shard_hot_ids = ids[mine]
-            rows = self.shard_hot_ids - start
+            rows = rows[mine] - start
         with torch.device("meta"):
             head = LogitsHead(full.in_features, rows.numel())
         head.weight = nn.Parameter(full.weight.detach()[rows], requires_grad=False)

@@ -26,6 +26,7 @@ from specserve.models.loader import (
 )
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.block_drafter import BlockDrafter
+from specserve.speculative.drafter_formats import DrafterCheckpoint, read_drafter
 from specserve.speculative.dspark_model import DSparkConfig, DSparkDraftModel
 from specserve.speculative.dspark_v4_model import DSparkV4Config, DSparkV4DraftModel
 
@@ -48,7 +49,11 @@ def load_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
     assert spec.draft_model_path is not None
     if runner.model_config.deepseek_v4 is not None:
         return load_v4_drafter(config, runner)
-    dcfg = DSparkConfig.from_path(spec.draft_model_path)
+    hint = dspark_block_size(spec.block_size, spec.num_draft_tokens, None)
+    ckpt = read_drafter(spec.draft_model_path, hint)
+    for choice in ckpt.choices:
+        logger.info("drafter (%s format): %s", ckpt.format, choice)
+    dcfg = ckpt.config
     tcfg = runner.model_config
     _check_compatible(dcfg, tcfg.hidden_size, tcfg.vocab_size, tcfg.num_hidden_layers)
     block = drafted_block(config, dcfg.block_size)
@@ -60,7 +65,9 @@ def load_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
         )  # fmt: skip
     dflash = spec.algorithm == "DFLASH"
     group = drafter_group(config, runner)
-    model = load_draft_model(spec.draft_model_path, dcfg, runner, not dflash, group)
+    if dcfg.draft_vocab_size is not None:
+        _check_reduced_vocab(config, group)
+    model = load_draft_model(spec.draft_model_path, ckpt, runner, not dflash, group)
     if spec.token_map:
         model.restrict_vocab(load_token_map(spec.token_map, dcfg.vocab_size, runner.device))
     page = KVPool.bytes_per_page(
@@ -70,6 +77,20 @@ def load_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
     return LoadedDrafter(
         model, dcfg, block, page, _activation_bytes(config, dcfg, block, runner, page)
     )
+
+
+def _check_reduced_vocab(config: EngineConfig, group: RankGroup) -> None:
+    """A drafter with its own reduced vocabulary drafts from it alone, on one rank."""
+    if config.spec.token_map:
+        raise ValueError(
+            "speculative_token_map: the drafter has its own reduced vocabulary "
+            "(draft_vocab_size), which is its token map"
+        )
+    if group.size > 1:
+        raise ValueError(
+            "speculative_draft_tensor_parallel_size: a drafter with its own reduced vocabulary "
+            "(draft_vocab_size) drafts on rank 0; pass 1"
+        )
 
 
 def drafted_block(config: EngineConfig, trained: int) -> int:
@@ -83,7 +104,9 @@ def drafted_block(config: EngineConfig, trained: int) -> int:
     return block
 
 
-def dspark_block_size(block_flag: int | None, chain_flag: int | None, trained: int) -> int:
+def dspark_block_size(
+    block_flag: int | None, chain_flag: int | None, trained: int | None
+) -> int | None:
     """The block drafted per round: ``--speculative-dspark-block-size``, or
     ``--speculative-num-draft-tokens`` less the anchor (SGLang's name for the
     verify chain), or the drafter's own; the two flags must agree when both
@@ -104,7 +127,7 @@ def _check_compatible(dcfg: DSparkConfig, hidden: int, vocab: int, num_layers: i
             f"speculative_draft_model_path: the drafter (hidden {dcfg.hidden_size}, vocab "
             f"{dcfg.vocab_size}) does not fit the target (hidden {hidden}, vocab {vocab})"
         )
-    if dcfg.num_target_layers != num_layers:
+    if dcfg.num_target_layers is not None and dcfg.num_target_layers != num_layers:
         raise ValueError(
             f"speculative_draft_model_path: the drafter was made for a {dcfg.num_target_layers}-layer "
             f"target, this one has {num_layers}"
@@ -129,8 +152,9 @@ def drafter_group(config: EngineConfig, runner: ModelRunner) -> RankGroup:
 
 
 def load_draft_model(
-    path: str, dcfg: DSparkConfig, runner: ModelRunner, use_heads: bool, group: RankGroup
+    path: str, ckpt: DrafterCheckpoint, runner: ModelRunner, use_heads: bool, group: RankGroup
 ) -> DSparkDraftModel:
+    dcfg = ckpt.config
     with torch.device("meta"):
         model = DSparkDraftModel(
             dcfg,
@@ -159,9 +183,8 @@ def load_draft_model(
     if group is runner.group and model.lm_head.weight.shape == target.lm_head.weight.shape:
         model.lm_head = target.lm_head
         skip.add("lm_head.weight")
-    load_state(
-        model, checkpoint_files(path), f"{dcfg.num_hidden_layers}-layer DSpark drafter", skip
-    )
+    what = f"{dcfg.num_hidden_layers}-layer DSpark drafter ({ckpt.format} format)"
+    load_state(model, checkpoint_files(path), what, skip, rename=ckpt.checkpoint_key)
     model.post_load()
     return model.requires_grad_(False).eval()
 

@@ -13,8 +13,6 @@ each draft.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -57,23 +55,25 @@ class DSparkConfig:
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
-    num_target_layers: int
+    num_target_layers: int | None  # the target's depth (None: the checkpoint does not say)
     markov_rank: int = 0
     markov_head_type: str = "vanilla"
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = False
     attention_bias: bool = False
+    # A drafter with its own reduced vocabulary: its head's and its Markov
+    # head's W2's rows (draft id i is target id i + d2t[i]); None: the target's.
+    draft_vocab_size: int | None = None
 
-    @classmethod
-    def from_path(cls, path: str) -> DSparkConfig:
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise ValueError(f"speculative_draft_model_path: no config.json in {path!r}")
-        with open(cfg_path) as f:
-            return cls.from_dict(json.load(f), cfg_path)
+    @property
+    def drafting_vocab(self) -> int:
+        """The rows of the drafter's head: the draft vocabulary, or the target's."""
+        return self.draft_vocab_size or self.vocab_size
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> DSparkConfig:
+        """DeepSpec's config.json (the other formats' readers, in
+        drafter_formats.py, write theirs in its fields)."""
         archs = cfg.get("architectures") or []
         if ARCHITECTURE not in archs:
             raise ValueError(f"{source}: architectures must contain {ARCHITECTURE!r}, got {archs}")
@@ -88,6 +88,11 @@ class DSparkConfig:
                 f"{source}: markov_head_type must be one of {MARKOV_TYPES}, got {kind!r}"
             )
         with_markov = bool(cfg.get("confidence_head_with_markov", False)) and rank > 0
+        layers, draft_vocab = cfg["num_target_layers"], cfg.get("draft_vocab_size")
+        if draft_vocab is not None and not 0 < int(draft_vocab) < base.vocab_size:
+            raise ValueError(
+                f"{source}: draft_vocab_size {draft_vocab} must be in [1, {base.vocab_size})"
+            )
         return cls(
             hidden_size=base.hidden_size,
             intermediate_size=base.intermediate_size,
@@ -102,12 +107,13 @@ class DSparkConfig:
             block_size=int(cfg["block_size"]),
             mask_token_id=int(cfg["mask_token_id"]),
             target_layer_ids=tuple(int(i) for i in cfg["target_layer_ids"]),
-            num_target_layers=int(cfg["num_target_layers"]),
+            num_target_layers=None if layers is None else int(layers),
             markov_rank=rank,
             markov_head_type=kind,
             enable_confidence_head=bool(cfg.get("enable_confidence_head", False)),
             confidence_head_with_markov=with_markov,
             attention_bias=base.attention_bias,
+            draft_vocab_size=None if draft_vocab is None else int(draft_vocab),
         )
 
 
@@ -273,7 +279,17 @@ class DSparkDraftModel(BlockDrafter):
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DraftLayer(cfg, group) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.markov_head = MarkovHead(cfg, group) if cfg.markov_rank > 0 else None
+        self.markov_head = None
+        if cfg.markov_rank > 0:
+            self.markov_head = MarkovHead(cfg, group, cfg.drafting_vocab)
+        self.draft_head: LogitsHead | None = None
+        if cfg.draft_vocab_size is not None:  # its own head over its reduced vocabulary
+            assert group.size == 1, "a reduced-vocabulary drafter drafts on one rank"
+            self.draft_head = LogitsHead(d, cfg.draft_vocab_size)
+            # Draft id i is target id i + d2t[i] (the speculators format's offsets).
+            self.d2t = nn.Parameter(
+                torch.empty(cfg.draft_vocab_size, dtype=torch.long), requires_grad=False
+            )
         self.confidence_head = None
         if cfg.enable_confidence_head:
             extra = cfg.markov_rank if cfg.confidence_head_with_markov else 0
@@ -298,6 +314,10 @@ class DSparkDraftModel(BlockDrafter):
     def vocab_head(self) -> LogitsHead:
         return self.lm_head
 
+    @property
+    def drafting_head(self) -> LogitsHead:
+        return self.lm_head if self.draft_head is None else self.draft_head
+
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.vocab_logits(hidden)
 
@@ -315,6 +335,25 @@ class DSparkDraftModel(BlockDrafter):
         if self.markov_head is not None:
             self.markov_head.markov_w2.post_load()
             k_major_(self.markov_head.markov_w2.weight)
+        if self.draft_head is not None:
+            self._map_draft_vocab()
+
+    def _map_draft_vocab(self) -> None:
+        """A reduced vocabulary drafts as a token map does (``restrict_vocab``),
+        its rows in the order of their target ids."""
+        cfg = self.config
+        ids = torch.arange(cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+        if (
+            int(ids.min()) < 0
+            or int(ids.max()) >= cfg.vocab_size
+            or ids.unique().numel() < ids.numel()
+        ):
+            raise ValueError(
+                f"speculative_draft_model_path: d2t must map the {cfg.draft_vocab_size} draft ids "
+                f"to distinct target ids in [0, {cfg.vocab_size})"
+            )
+        ids, rows = ids.sort()
+        self.restrict_vocab(ids, rows)
 
     # ---- context ------------------------------------------------------------
 

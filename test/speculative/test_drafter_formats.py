@@ -1,0 +1,233 @@
+"""Every DSpark checkpoint format: the same weights written in DeepSpec's,
+TorchSpec's and speculators' layouts draft the same tokens from the same q;
+a reduced draft vocabulary drafts as the token map of its ids does; each
+serves what plain decoding serves, with logprobs and a grammar."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from models_zoo import model_path, random_prompts
+from spec_helpers import SMALL_SCHEMA, features, proposer_for
+from specserve import Engine
+from specserve.core import Req
+from specserve.sampling.params import SamplingParams
+from specserve.speculative.drafter_formats import detect_format, read_drafter
+from specserve.tools.drafter_layouts import write_speculators, write_torchspec
+from specserve.tools.tiny_model import make_tiny_dspark
+
+# Every fifth token from 2, written in a shuffled order (d2t's offsets go
+# both ways; the rows are read back by target id).
+DRAFT_IDS = torch.arange(2, 528, 5)[torch.randperm(106, generator=torch.Generator().manual_seed(0))]
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layouts")
+    target = model_path("qwen3")
+    gated = make_tiny_dspark(
+        str(root / "deepspec"), target, markov_head_type="gated", num_layers=2, seed=5
+    )
+    vanilla = make_tiny_dspark(str(root / "deepspec-vanilla"), target, seed=6)
+    torch.save(DRAFT_IDS.tolist(), root / "map.pt")
+    return {
+        "deepspec": gated,
+        "deepspec-vanilla": vanilla,
+        "map": str(root / "map.pt"),
+        "torchspec": write_torchspec(gated, str(root / "torchspec")),
+        "torchspec-converted": write_torchspec(gated, str(root / "ts2"), trained_names=False),
+        "torchspec-dflash": write_torchspec(gated, str(root / "ts3"), variant="dflash"),
+        "torchspec-classical": write_torchspec(vanilla, str(root / "ts4"), variant="classical"),
+        "speculators": write_speculators(gated, str(root / "speculators")),
+        "speculators-unsaid": write_speculators(gated, str(root / "sp2"), sample_from_anchor=None),
+        "speculators-reduced": write_speculators(
+            gated, str(root / "sp3"), draft_ids=DRAFT_IDS.tolist()
+        ),
+        "speculators-anchor-false": write_speculators(
+            gated, str(root / "sp4"), sample_from_anchor=False
+        ),
+    }
+
+
+# The layout -> the DeepSpec drafter (and flags) it must draft exactly as.
+SAME_AS = {
+    "torchspec": ("deepspec", {}),
+    "torchspec-converted": ("deepspec", {}),
+    "torchspec-dflash": ("deepspec", {}),
+    "torchspec-classical": ("deepspec-vanilla", {}),
+    "speculators": ("deepspec", {}),
+    "speculators-unsaid": ("deepspec", {}),
+    "speculators-reduced": ("deepspec", {"token_map": True}),
+}
+
+
+def test_each_format_is_read_into_the_internal_config(layouts) -> None:
+    want = read_drafter(layouts["deepspec"]).config
+    for name, fmt in [
+        ("deepspec", "deepspec"),
+        ("torchspec", "torchspec"),
+        ("torchspec-dflash", "torchspec"),
+        ("speculators", "speculators"),
+        ("speculators-reduced", "speculators"),
+    ]:
+        with open(f"{layouts[name]}/config.json") as f:
+            assert detect_format(json.load(f)) == fmt, name
+        ckpt = read_drafter(layouts[name], block_hint=4)
+        got = ckpt.config
+        assert got.target_layer_ids == want.target_layer_ids, name  # speculators' ids - 1
+        assert (got.block_size, got.markov_head_type, got.markov_rank) == (4, "gated", 8), name
+        assert got.enable_confidence_head and got.confidence_head_with_markov, name
+        assert (got.hidden_size, got.num_hidden_layers, got.head_dim) == (
+            want.hidden_size, want.num_hidden_layers, want.head_dim,
+        ), name  # fmt: skip
+    assert read_drafter(layouts["speculators-reduced"]).config.draft_vocab_size == 106
+    # TorchSpec records no block: the flags' or its default 7, said in choices.
+    ts = read_drafter(layouts["torchspec"])
+    assert ts.config.block_size == 7 and any("block size 7" in c for c in ts.choices)
+    assert ts.config.num_target_layers == want.num_target_layers  # target_num_hidden_layers
+    classical = read_drafter(layouts["torchspec-classical"])
+    assert classical.config.markov_head_type == "vanilla"
+    assert any("classical" in c for c in classical.choices)
+    unsaid = read_drafter(layouts["speculators-unsaid"])
+    assert any("sample_from_anchor true (from speculative_tokens 4)" in c for c in unsaid.choices)
+
+
+def _rounds(path: str, **kw) -> list:
+    """Three rounds of drafts, their q and confidences for two sampled
+    requests (seeded) and a greedy one, fed the same context features."""
+    flags = {"speculative_dspark_block_size": 4}
+    if kw.pop("token_map", None):
+        flags["speculative_token_map"] = kw.pop("map_path")
+    prop, _ = proposer_for(path, **flags, **kw)
+    width = prop.model.fc.in_features
+    reqs = [
+        Req("a", [5] * 7, SamplingParams(temperature=1.0, seed=11)),
+        Req("b", [6] * 3, SamplingParams(temperature=0.8, seed=12)),
+        Req("c", [7] * 5, SamplingParams(temperature=0.0)),
+    ]
+    for i, r in enumerate(reqs):
+        prop.on_target_features(r, 0, features(r.prompt_len, width, i))
+        r.output_ids = [40 + i]
+    out = []
+    for rnd in range(3):
+        for r in reqs:
+            r.generator = torch.Generator().manual_seed(100 + rnd)
+        got = prop.propose(reqs, [4, 4, 4])
+        out.append((got.tokens, got.q, got.confidence))
+        for i, r in enumerate(reqs):
+            start = r.seq_len - 1
+            prop.on_target_features(r, start, features(2, width, 10 * rnd + i))
+            r.output_ids += [50 + rnd, 51 + rnd]
+    for r in reqs:
+        prop.release(r)
+    return out
+
+
+@pytest.mark.parametrize("name", list(SAME_AS))
+def test_every_layout_drafts_what_deepspecs_drafts(layouts, name) -> None:
+    """The strongest oracle: the same weights, another layout, the same
+    drafts and distributions (a reduced vocabulary: those of DeepSpec's
+    drafter with its ids as the token map)."""
+    base, kw = SAME_AS[name]
+    if kw:
+        kw = {**kw, "map_path": layouts["map"]}
+    want = _rounds(layouts[base], **dict(kw))
+    got = _rounds(layouts[name])
+    for (wt, wq, wc), (gt, gq, gc) in zip(want, got):
+        assert gt == wt
+        for a, b in zip(wq, gq):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(b, a, atol=0, rtol=0)
+        assert gc == wc
+
+
+def test_a_reduced_vocabulary_drafts_its_tokens_alone(layouts) -> None:
+    prop, _ = proposer_for(layouts["speculators-reduced"], speculative_dspark_block_size=4)
+    assert torch.equal(prop.model.hot_ids, DRAFT_IDS.sort().values)
+    tokens = [t for rnd in _rounds(layouts["speculators-reduced"]) for row in rnd[0] for t in row]
+    assert set(tokens) <= set(DRAFT_IDS.tolist())
+
+
+@pytest.fixture(scope="module")
+def plain():
+    eng = Engine(model_path=model_path("qwen3"), device="cpu", max_total_tokens=4096, page_size=4)
+    yield eng
+    eng.shutdown()
+
+
+PROMPTS = random_prompts(3, [5, 17, 9], seed=71) + [[7, 8, 9, 10] * 5]
+GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+LOGPROBS = {"return_logprob": True, "top_logprobs_num": 2}
+
+
+def _serve(eng: Engine) -> dict:
+    schema = SMALL_SCHEMA
+    sampled = [
+        {"temperature": 0.9, "max_new_tokens": 12, "ignore_eos": True, "seed": 300 + i}
+        for i in range(len(PROMPTS))
+    ]
+    return {
+        "greedy": eng.generate(input_ids=PROMPTS, sampling_params=GREEDY, **LOGPROBS),
+        "sampled": eng.generate(input_ids=PROMPTS, sampling_params=sampled),
+        "grammar": eng.generate(
+            input_ids=PROMPTS[:2],
+            sampling_params={
+                "json_schema": json.dumps(schema),
+                "temperature": 0,
+                "max_new_tokens": 24,
+            },
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", ["torchspec", "speculators", "speculators-reduced"])
+def test_each_format_serves_what_plain_decoding_serves(layouts, plain, name) -> None:
+    """Greedy ids and logprobs equal plain's; seeded sampling draws what the
+    DeepSpec drafter's engine draws (its map, for a reduced vocabulary); a
+    JSON grammar holds."""
+    pytest.importorskip("xgrammar")
+    want = _serve(plain)
+    base, kw = SAME_AS[name]
+    spec = {"speculative_algorithm": "DSPARK", "speculative_dspark_block_size": 4}
+    with Engine(
+        model_path=model_path("qwen3"), device="cpu", max_total_tokens=4096, page_size=4,
+        speculative_draft_model_path=layouts[name], **spec,
+    ) as eng:  # fmt: skip
+        got = _serve(eng)
+    extra = {"speculative_token_map": layouts["map"]} if kw else {}
+    with Engine(
+        model_path=model_path("qwen3"), device="cpu", max_total_tokens=4096, page_size=4,
+        speculative_draft_model_path=layouts[base], **spec, **extra,
+    ) as eng:  # fmt: skip
+        same_weights = _serve(eng)
+    for a, b in zip(want["greedy"], got["greedy"]):
+        assert b["output_ids"] == a["output_ids"]
+        assert b["meta_info"]["spec_verify_ct"] > 0
+        lp_a = [t[0] for t in a["meta_info"]["output_token_logprobs"]]
+        lp_b = [t[0] for t in b["meta_info"]["output_token_logprobs"]]
+        torch.testing.assert_close(torch.tensor(lp_b), torch.tensor(lp_a), atol=1e-5, rtol=0)
+    assert [o["output_ids"] for o in got["sampled"]] == [
+        o["output_ids"] for o in same_weights["sampled"]
+    ]
+    for a, b in zip(want["grammar"], got["grammar"]):
+        assert b["output_ids"] == a["output_ids"]
+        json.loads(b["text"])
+
+
+def test_unsupported_layouts_are_named(layouts, tmp_path) -> None:
+    with pytest.raises(ValueError, match="sample_from_anchor false .* not supported yet"):
+        read_drafter(layouts["speculators-anchor-false"])
+    with open(f"{layouts['speculators']}/config.json") as f:
+        cfg = json.load(f)
+    (tmp_path / "eagle").mkdir()
+    (tmp_path / "eagle" / "config.json").write_text(
+        json.dumps({**cfg, "speculators_model_type": "eagle3"})
+    )
+    with pytest.raises(ValueError, match="speculators_model_type 'eagle3' is not a DSpark"):
+        read_drafter(str(tmp_path / "eagle"))
+    with pytest.raises(ValueError, match="speculative_token_map: the drafter has its own reduced"):
+        proposer_for(layouts["speculators-reduced"], speculative_token_map=layouts["map"])
