@@ -115,6 +115,19 @@ class VerifyRecorder:
             rounds.setdefault(rid, []).append(min(kept + 1, len(outputs[rid]) - committed))
         return {rid: (len(c), sum(c) / len(c)) for rid, c in rounds.items()}
 
+    def per_position(self, outputs: dict[str, list[int]]) -> tuple[list[int], list[int]]:
+        """Per draft position: the chains that verified it, and that kept it
+        (cut, as the round's commit is, at the output's end)."""
+        verified: list[int] = []
+        accepted: list[int] = []
+        for (rid, committed, drafts), kept in zip(self.chains, self.accepted(outputs)):
+            kept = min(kept, len(outputs[rid]) - committed - 1)
+            for counts, n in ((verified, len(drafts)), (accepted, kept)):
+                counts += [0] * (n - len(counts))
+                for k in range(n):
+                    counts[k] += 1
+        return verified, accepted + [0] * (len(verified) - len(accepted))
+
 
 # ---- DeepSeek-V4's DSpark drafter, written out from its description ---------
 

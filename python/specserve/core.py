@@ -30,14 +30,28 @@ class ReqStatus(enum.Enum):
 @dataclass
 class SpecStats:
     """Verify rounds and the tokens they committed (bonus included): of one
-    request, or of the engine's life."""
+    request, or of the engine's life (which also counts, per draft
+    position, the rounds that verified it and those that accepted it)."""
 
     rounds: int = 0
     committed: int = 0
+    verified_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
 
-    def add(self, committed: int) -> None:
+    def add(self, committed: int, verified: int | None = None) -> None:
+        """A round that committed ``committed`` tokens; ``verified``: its
+        drafts, counted per position when given."""
         self.rounds += 1
         self.committed += committed
+        if verified:
+            grow = verified - len(self.verified_at)
+            if grow > 0:
+                self.verified_at += [0] * grow
+                self.accepted_at += [0] * grow
+            for k in range(verified):
+                self.verified_at[k] += 1
+            for k in range(min(committed - 1, verified)):
+                self.accepted_at[k] += 1
 
     @property
     def accept_length(self) -> float:

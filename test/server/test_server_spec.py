@@ -75,6 +75,16 @@ def test_accept_length_in_server_info_and_metrics(spec_server) -> None:
     metrics = spec_server.http.get("/metrics").text
     line = next(x for x in metrics.splitlines() if x.startswith("specserve_spec_accept_length "))
     assert float(line.split()[1]) == pytest.approx(info["mean_accept_length"])
+    # Each draft position's verified and accepted rounds (a chain near its
+    # request's token limit is shorter: fewer rounds reach later positions).
+    stats = spec_server.http.get("/get_server_info").json()["stats"]
+    verified, accepted = stats["spec_verified_per_position"], stats["spec_accepted_per_position"]
+    assert len(verified) == 4 and verified == sorted(verified, reverse=True)
+    assert 0 < verified[0] <= info["verify_rounds"]
+    for k, (n, a) in enumerate(zip(verified, accepted)):
+        assert 0 <= a <= n
+        assert f'specserve_spec_verified_drafts_total{{position="{k}"}} {n}' in metrics
+        assert f'specserve_spec_accepted_drafts_total{{position="{k}"}} {a}' in metrics
 
 
 def test_the_cost_models_decisions_in_server_info_and_metrics(tmp_path) -> None:

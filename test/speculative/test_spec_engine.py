@@ -122,7 +122,11 @@ def test_greedy_output_equals_plain_decoding(plain, drafters, name) -> None:
             assert (meta["spec_verify_ct"], meta["spec_accept_length"]) == pytest.approx(want)
         rounds = sum(n for n, _ in taus.values())
         tau = sum(n * t for n, t in taus.values()) / rounds
-        assert eng.stats()["spec_accept_length"] == pytest.approx(tau)
+        stats = eng.stats()
+        assert stats["spec_accept_length"] == pytest.approx(tau)
+        verified, accepted = recorder.per_position(dict(zip(rids, expected)))
+        assert stats["spec_verified_per_position"] == verified
+        assert stats["spec_accepted_per_position"] == accepted
         # Measured: the random drafters get almost nothing accepted (tau 1.0,
         # gated 1.007); the lookup 1.51 over the rounds it drafts (a step
         # without a match is a plain one), most of it on the repeating prompt.

@@ -151,6 +151,12 @@ class DataParallelEngine:
                 out[key] = merged
             elif isinstance(value, (int, float)):
                 out[key] = sum(st[key] for st in per)
+            elif isinstance(value, list):  # counts per position
+                counts = [0] * max(len(st[key]) for st in per)
+                for st in per:
+                    for i, v in enumerate(st[key]):
+                        counts[i] += v
+                out[key] = counts
         out["kv_usage"] = (out["total_pages"] - out["free_pages"]) / out["total_pages"]
         rounds = out["spec_verify_rounds"]
         accept = [st["spec_accept_length"] for st in per]

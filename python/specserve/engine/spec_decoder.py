@@ -185,7 +185,7 @@ class SpecDecoder:
         self._generated += committed
         if step.verify:
             req.spec.add(committed)
-            self.stats.add(committed)
+            self.stats.add(committed, len(step.drafts))
             conf = self._confidence.pop(req.rid, None)
             if req.finished:
                 return  # its pages and draft state go with it

@@ -91,6 +91,15 @@ class ServerContext:
                     _reader(stats, "spec_verify_rounds"),
                 )
             )
+            for name, help, key in (
+                ("specserve_spec_verified_drafts_total",
+                 "Drafts verified, by position in the chain (0: the first).",
+                 "spec_verified_per_position"),
+                ("specserve_spec_accepted_drafts_total",
+                 "Drafts accepted, by position in the chain (0: the first).",
+                 "spec_accepted_per_position"),
+            ):  # fmt: skip
+                m.add(Sampled(name, help, "counter", _per_position(stats, key), label="position"))
         if "spec_steps" in stats():  # the cost model decides the verify lengths
             self._add_planner_metrics(stats)
         m.add(
@@ -305,6 +314,11 @@ def _failure(out: RequestOutput) -> APIError | None:
 
 def _reader(stats: Callable[[], dict[str, Any]], key: str) -> Callable[[], Any]:
     return lambda: stats()[key]
+
+
+def _per_position(stats: Callable[[], dict[str, Any]], key: str) -> Callable[[], dict]:
+    """A list of counts read as ``{position: count}``."""
+    return lambda: dict(enumerate(stats()[key]))
 
 
 async def _wait_disconnect(request: Request) -> None:
