@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
             return _make_token_map(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "check-drafter":
+            return _check_drafter(args)
     except (ValueError, OSError) as e:  # bad input: one clear line, no traceback
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
@@ -178,6 +180,25 @@ def _generate(args: Any) -> int:
                 alts = ", ".join(f"{t!r} {v:.3f}" for v, _, t in top)
                 print(f"    {text!r:>14} {lp:8.4f}   top: {alts}")
     return 0
+
+
+def _check_drafter(args: Any) -> int:
+    """Exit status 0 when the drafter fits, 1 on a mismatch."""
+    from specserve.tools.check_drafter import check_drafter, read_prompts, render
+
+    report = check_drafter(
+        args.target,
+        args.drafter,
+        prompts=read_prompts(args.prompts_file) if args.prompts_file else None,
+        max_new_tokens=args.max_new_tokens,
+        algorithm=args.speculative_algorithm,
+        num_draft_tokens=args.speculative_num_draft_tokens,
+        device=args.device,
+        dtype=args.dtype,
+        logprob_tol=args.logprob_tol,
+    )
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0 if report["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -473,6 +473,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     draft.add_argument("--seed", type=int, default=0)
 
+    check = sub.add_parser(
+        "check-drafter",
+        help="does a DSpark drafter fit a target: its format, settings, shapes, and a short "
+        "run against plain decoding",
+    )
+    check.add_argument("target", help="the target checkpoint")
+    check.add_argument("drafter", help="the drafter checkpoint (DeepSpec, TorchSpec, speculators)")
+    check.add_argument(
+        "--prompts-file", default=None, help="prompts, one per line (.jsonl: a 'text' per line)"
+    )
+    check.add_argument("--max-new-tokens", type=int, default=32)
+    check.add_argument("--speculative-algorithm", choices=("DSPARK", "DFLASH"), default="DSPARK")
+    check.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=None,
+        help="the verify chain (the anchor and a block of drafts); a drafter that records "
+        "no block (TorchSpec) drafts blocks of this less one, 7 by default",
+    )
+    check.add_argument("--device", default="cpu")
+    check.add_argument("--dtype", default=None, help="default: the engine's for the device")
+    check.add_argument(
+        "--logprob-tol",
+        type=float,
+        default=None,
+        help="largest logprob difference from plain decoding that passes "
+        "(default 1e-4 in float32, 5e-2 otherwise)",
+    )
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+
     tiny = sub.add_parser(
         "make-tiny-model", help="write a tiny random-weight checkpoint with a real tokenizer"
     )

@@ -55,7 +55,7 @@ def load_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
         logger.info("drafter (%s format): %s", ckpt.format, choice)
     dcfg = ckpt.config
     tcfg = runner.model_config
-    _check_compatible(dcfg, tcfg.hidden_size, tcfg.vocab_size, tcfg.num_hidden_layers)
+    check_compatible(dcfg, tcfg.hidden_size, tcfg.vocab_size, tcfg.num_hidden_layers)
     block = drafted_block(config, dcfg.block_size)
     if block < dcfg.block_size:
         logger.warning(
@@ -121,7 +121,7 @@ def dspark_block_size(
     return block_flag or from_chain or trained
 
 
-def _check_compatible(dcfg: DSparkConfig, hidden: int, vocab: int, num_layers: int) -> None:
+def check_compatible(dcfg: DSparkConfig, hidden: int, vocab: int, num_layers: int) -> None:
     if dcfg.hidden_size != hidden or dcfg.vocab_size != vocab:
         raise ValueError(
             f"speculative_draft_model_path: the drafter (hidden {dcfg.hidden_size}, vocab "

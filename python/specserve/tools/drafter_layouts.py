@@ -83,7 +83,7 @@ def write_torchspec(
             "mask_token_id": out.pop("mask_token_id"),
             "target_layer_ids": out.pop("target_layer_ids"),
         }
-    state.pop("lm_head.weight")
+    state.pop("lm_head.weight", None)
     if trained_names:
         names = {"fc.": "context_proj.", "hidden_norm.": "context_norm.", "norm.": "final_norm."}
         state = {_rename(k, names): v for k, v in state.items()}
@@ -136,8 +136,10 @@ def write_speculators(
     }
     if sample_from_anchor is not None:
         out["sample_from_anchor"] = sample_from_anchor
-    state.pop("embed_tokens.weight")
+    state.pop("embed_tokens.weight", None)
     if draft_ids is not None:
+        if "lm_head.weight" not in state:
+            raise ValueError(f"{src}: a reduced vocabulary needs the drafter's lm_head.weight")
         ids = torch.tensor(list(draft_ids), dtype=torch.long)
         state["lm_head.weight"] = state["lm_head.weight"][ids]
         w2 = "markov_head.markov_w2.weight"
