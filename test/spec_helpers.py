@@ -332,3 +332,43 @@ def proposer_for(path: str, **kw) -> tuple[DSparkProposer, ModelRunner]:
 def features(n: int, width: int, seed: int) -> torch.Tensor:
     """Random context features ``[n, width]``."""
     return torch.randn(n, width, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_rounds_match_scratch(prop: DSparkProposer, model, lead: int = 0) -> None:
+    """Three cached rounds of ``prop`` for two seeded sampled requests of
+    different context lengths (padding) equal ``model``'s from-scratch
+    blocks over the same features: drafts, their q and confidences (``prop``
+    needs its confidences on). ``lead``: slots of ``model``'s block before
+    the first draft's (dropped, the walk starting after them)."""
+    from specserve.sampling.params import SamplingParams
+
+    width = model.fc.in_features
+    drafts = prop.max_drafts
+    sp = SamplingParams(temperature=1.0, seed=11)
+    reqs = [Req("a", [5] * 7, sp), Req("b", [6] * 3, sp)]
+    feats = {"a": features(20, width, 1), "b": features(20, width, 2)}
+    for r in reqs:
+        prop.on_target_features(r, 0, feats[r.rid][: r.prompt_len])
+        r.output_ids = [40 + len(r.rid)]
+    for rnd in range(3):
+        for r in reqs:
+            r.generator = torch.Generator().manual_seed(100 + rnd)
+        got = prop.propose(reqs, [drafts, drafts])
+        for i, r in enumerate(reqs):
+            p, anchor = r.seq_len - 1, r.output_ids[-1]
+            hidden = model.naive_block(feats[r.rid][:p], anchor, lead + drafts)[lead:]
+            gen = torch.Generator().manual_seed(100 + rnd)
+            tokens, probs, conf = model.draft(
+                hidden[None], torch.tensor([anchor]), torch.tensor([1.0]), [gen]
+            )
+            assert got.tokens[i] == tokens[0].tolist()
+            torch.testing.assert_close(got.q[i], probs[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.tensor(got.confidence[i]), conf[0], atol=1e-5, rtol=0)
+        # Commit two more positions per request: their features extend the context.
+        for r in reqs:
+            start = r.seq_len - 1
+            prop.on_target_features(r, start, feats[r.rid][start : start + 2])
+            r.output_ids += [50, 51]
+    for r in reqs:
+        prop.release(r)
+    assert prop.block_pool.free_pages() == prop.block_pool.total_pages()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from models_zoo import model_path, random_prompts
-from spec_helpers import SMALL_SCHEMA, features, proposer_for
+from spec_helpers import SMALL_SCHEMA, assert_rounds_match_scratch, features, proposer_for
 from specserve import Engine
 from specserve.core import Req
 from specserve.sampling.params import SamplingParams
@@ -184,43 +184,63 @@ def _serve(eng: Engine) -> dict:
     }
 
 
-@pytest.mark.parametrize("name", ["torchspec", "speculators", "speculators-reduced"])
+@pytest.mark.parametrize(
+    "name", ["torchspec", "speculators", "speculators-reduced", "speculators-anchor-false"]
+)
 def test_each_format_serves_what_plain_decoding_serves(layouts, plain, name) -> None:
     """Greedy ids and logprobs equal plain's; seeded sampling draws what the
     DeepSpec drafter's engine draws (its map, for a reduced vocabulary); a
     JSON grammar holds."""
     pytest.importorskip("xgrammar")
     want = _serve(plain)
-    base, kw = SAME_AS[name]
-    spec = {"speculative_algorithm": "DSPARK", "speculative_dspark_block_size": 4}
+    spec = {"speculative_algorithm": "DSPARK"}
+    if name != "speculators-anchor-false":  # (its blocks draft 3)
+        spec["speculative_dspark_block_size"] = 4
     with Engine(
         model_path=model_path("qwen3"), device="cpu", max_total_tokens=4096, page_size=4,
         speculative_draft_model_path=layouts[name], **spec,
     ) as eng:  # fmt: skip
         got = _serve(eng)
-    extra = {"speculative_token_map": layouts["map"]} if kw else {}
-    with Engine(
-        model_path=model_path("qwen3"), device="cpu", max_total_tokens=4096, page_size=4,
-        speculative_draft_model_path=layouts[base], **spec, **extra,
-    ) as eng:  # fmt: skip
-        same_weights = _serve(eng)
     for a, b in zip(want["greedy"], got["greedy"]):
         assert b["output_ids"] == a["output_ids"]
         assert b["meta_info"]["spec_verify_ct"] > 0
         lp_a = [t[0] for t in a["meta_info"]["output_token_logprobs"]]
         lp_b = [t[0] for t in b["meta_info"]["output_token_logprobs"]]
         torch.testing.assert_close(torch.tensor(lp_b), torch.tensor(lp_a), atol=1e-5, rtol=0)
-    assert [o["output_ids"] for o in got["sampled"]] == [
-        o["output_ids"] for o in same_weights["sampled"]
-    ]
     for a, b in zip(want["grammar"], got["grammar"]):
         assert b["output_ids"] == a["output_ids"]
         json.loads(b["text"])
+    if name not in SAME_AS:  # no other layout of the same drafter
+        return
+    base, kw = SAME_AS[name]
+    extra = {"speculative_token_map": layouts["map"]} if kw else {}
+    with Engine(
+        model_path=model_path("qwen3"), device="cpu", max_total_tokens=4096, page_size=4,
+        speculative_draft_model_path=layouts[base], **spec, **extra,
+    ) as eng:  # fmt: skip
+        same_weights = _serve(eng)
+    assert [o["output_ids"] for o in got["sampled"]] == [
+        o["output_ids"] for o in same_weights["sampled"]
+    ]
+
+
+def test_the_bonus_slot_layout_drafts_from_the_slots_after_it(layouts) -> None:
+    """``sample_from_anchor`` false: a block of B positions whose slot 0 is
+    the anchor's bonus token drafts B - 1 tokens from slots 1.. (slot k
+    predicting anchor + k, the Markov head's previous token the one before
+    it): DeepSpec's from-scratch block over the same weights, its first
+    slot dropped and the walk started at the next."""
+    # A tiny threshold: confidences are computed (and compared) but cut nothing.
+    prop, _ = proposer_for(
+        layouts["speculators-anchor-false"], speculative_dspark_confidence_threshold=1e-9
+    )
+    assert (prop.max_drafts, prop.block_len) == (3, 4)
+    # DeepSpec's model of the same weights, its blocks one slot longer.
+    model = proposer_for(layouts["deepspec"])[0].model
+    assert_rounds_match_scratch(prop, model, lead=1)
 
 
 def test_unsupported_layouts_are_named(layouts, tmp_path) -> None:
-    with pytest.raises(ValueError, match="sample_from_anchor false .* not supported yet"):
-        read_drafter(layouts["speculators-anchor-false"])
     with open(f"{layouts['speculators']}/config.json") as f:
         cfg = json.load(f)
     (tmp_path / "eagle").mkdir()

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from models_zoo import model_path
-from spec_helpers import features, proposer_for
+from spec_helpers import assert_rounds_match_scratch, features, proposer_for
 from specserve.config import EngineConfig
 from specserve.core import Req
 from specserve.kernels.dispatch import HAS_TRITON
@@ -51,37 +51,7 @@ def test_cached_rounds_equal_a_from_scratch_forward(drafters, kind, backend) -> 
         drafters[kind], speculative_dspark_confidence_threshold=1e-9, attention_backend=backend
     )
     assert type(prop.attn_backend).__name__.lower().startswith(backend[:5])
-    model = prop.model
-    width = model.fc.in_features
-    block = prop.max_drafts
-    sp = SamplingParams(temperature=1.0, seed=11)
-    reqs = [Req("a", [5] * 7, sp), Req("b", [6] * 3, sp)]  # different context lengths: padding
-    feats = {"a": features(20, width, 1), "b": features(20, width, 2)}
-    for r in reqs:
-        prop.on_target_features(r, 0, feats[r.rid][: r.prompt_len])
-        r.output_ids = [40 + len(r.rid)]
-    for rnd in range(3):
-        for r in reqs:
-            r.generator = torch.Generator().manual_seed(100 + rnd)
-        got = prop.propose(reqs, [block, block])
-        for i, r in enumerate(reqs):
-            p = r.seq_len - 1
-            hidden = model.naive_block(feats[r.rid][:p], r.output_ids[-1], block)
-            gen = torch.Generator().manual_seed(100 + rnd)
-            tokens, probs, conf = model.draft(
-                hidden[None], torch.tensor([r.output_ids[-1]]), torch.tensor([1.0]), [gen]
-            )
-            assert got.tokens[i] == tokens[0].tolist()
-            torch.testing.assert_close(got.q[i], probs[0], atol=1e-5, rtol=0)
-            torch.testing.assert_close(torch.tensor(got.confidence[i]), conf[0], atol=1e-5, rtol=0)
-        # Commit two more positions per request: their features extend the context.
-        for r in reqs:
-            start = r.seq_len - 1
-            prop.on_target_features(r, start, feats[r.rid][start : start + 2])
-            r.output_ids += [50, 51]
-    for r in reqs:
-        prop.release(r)
-    assert prop.block_pool.free_pages() == prop.block_pool.total_pages()
+    assert_rounds_match_scratch(prop, prop.model)
 
 
 def test_blocks_fit_beside_a_full_target_pool(drafters) -> None:

@@ -103,6 +103,10 @@ class BlockDrafter(nn.Module):
     ``window`` is None when a block sees its whole context."""
 
     window: int | None = None
+    # Slots of a block before its first draft's: 1 in the 1 + N layout
+    # (slot 0 the anchor's bonus token, slot k predicting anchor + k), 0 in
+    # DeepSpec's (slot k predicting anchor + k + 1).
+    lead: int = 0
     # The tokens drafts come from, ascending ([H]; None: the whole vocabulary).
     hot_ids: torch.Tensor | None = None
     # Under tensor parallelism: the ids of this rank's logit columns

@@ -104,7 +104,7 @@ class DraftShard:
         plans: PlanChannel,
     ) -> None:
         self.model = model
-        self.block_size = block_size
+        self.block_len = block_size + model.lead  # the block's positions (see DSparkProposer)
         self.kv_pool = kv_pool
         self.page_size = page_size
         self.backend = backend
@@ -140,7 +140,7 @@ class DraftShard:
         ``[R, G, V]`` (zero rows for greedy ones; None when every row is
         greedy) and the confidences ``[R, G]`` (if asked for and the drafter
         has the head); the others' results mean nothing."""
-        g, ps, device = self.block_size, self.page_size, self.model.feature_weight.device
+        g, ps, device = self.block_len, self.page_size, self.model.feature_weight.device
         anchors = upload(plan.anchors, device)
         w = self.model.window
         if w is not None:  # each table holds its window's pages only
@@ -163,6 +163,7 @@ class DraftShard:
                 page_tables=plan.page_tables,
             )
             hidden = eager_block(self.model, self.backend, self.kv_pool, x, anchors, g, ps)
+        hidden = hidden[:, self.model.lead :]  # the drafts' slots
         return self._walk(hidden, anchors, plan.greedy, drawing, with_confidence)
 
     def _walk(

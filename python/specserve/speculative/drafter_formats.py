@@ -161,12 +161,6 @@ def _read_speculators(cfg: dict[str, Any], source: str) -> DrafterCheckpoint:
         anchor = tokens is not None and tokens == block
         how = f"speculative_tokens {tokens}" if tokens is not None else "the field's absence"
         choices.append(f"sample_from_anchor {str(anchor).lower()} (from {how})")
-    if not anchor:
-        raise ValueError(
-            f"{source}: sample_from_anchor false (slot 0 the bonus token, B - 1 drafts: "
-            f"DFlash's slot layout, which speculators' older DSpark exports use) is not "
-            f"supported yet; DeepSpec's layout (sample_from_anchor true) is"
-        )
     vocab = int(backbone.get("vocab_size") or cfg.get("vocab_size") or 0)
     draft_vocab = int(cfg.get("draft_vocab_size") or vocab)
     norm = {
@@ -178,7 +172,10 @@ def _read_speculators(cfg: dict[str, Any], source: str) -> DrafterCheckpoint:
         "target_layer_ids": [int(a) - 1 for a in cfg["aux_hidden_state_layer_ids"]],
         "num_target_layers": None,  # the verifier's depth is not recorded
         "draft_vocab_size": draft_vocab if draft_vocab != vocab else None,
+        "sample_from_anchor": bool(anchor),
     }
+    if not anchor:  # slot 0 the bonus token: a block of B positions drafts B - 1
+        norm["block_size"] = int(cfg["block_size"]) - 1
     if "markov_head_type" not in norm and int(norm.get("markov_rank", 0) or 0):
         norm["markov_head_type"] = "vanilla"
     dcfg = DSparkConfig.from_dict(norm, source)

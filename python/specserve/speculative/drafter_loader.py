@@ -75,7 +75,7 @@ def load_drafter(config: EngineConfig, runner: ModelRunner) -> LoadedDrafter:
         dcfg.head_dim, runner.dtype,
     )  # fmt: skip
     return LoadedDrafter(
-        model, dcfg, block, page, _activation_bytes(config, dcfg, block, runner, page)
+        model, dcfg, block, page, _activation_bytes(config, dcfg, block + model.lead, runner, page)
     )
 
 
@@ -213,7 +213,7 @@ def draft_kv_pool(config: EngineConfig, runner: ModelRunner, loaded: LoadedDraft
 
 def pool_pages(config: EngineConfig, runner: ModelRunner, loaded: LoadedDrafter) -> int:
     """The pages the drafter's KV allocator hands out (see ``draft_kv_pool``)."""
-    pages = runner.num_pages + scratch_pages(config, loaded.block_size)
+    pages = runner.num_pages + scratch_pages(config, loaded.block_size + loaded.model.lead)
     if isinstance(loaded.config, DSparkV4Config):
         # Every running request's window, beside the target's window pages.
         pages += scratch_pages(config, loaded.model.window)

@@ -92,6 +92,9 @@ class DSparkProposer(Proposer):
         part of it; its target forwards store the draft context)."""
         self.model = model
         self.max_drafts = block_size
+        # The block's positions: its drafts' slots, after the lead slots
+        # (slot 0 the anchor's bonus token in the 1 + N layout).
+        self.block_len = block_size + model.lead
         self.capture_layer_ids = model.config.target_layer_ids
         self.kv_pool = kv_pool
         self.block_pool = block_pool
@@ -150,7 +153,7 @@ class DSparkProposer(Proposer):
             and self.kv_pool.k[0].shape[0] > scratch
         ):
             self.graphs = DraftBlockGraphs(
-                self.model, self.attn_backend, self.kv_pool, self.max_drafts,
+                self.model, self.attn_backend, self.kv_pool, self.block_len,
                 runner.context_length, scratch, target.buckets, target.capture,
             )  # fmt: skip
 
@@ -193,7 +196,7 @@ class DSparkProposer(Proposer):
         if self.shard is not None:  # a split drafter's rounds are plans every rank joins
             return None
         # As long a context as the free draft pages hold for n blocks.
-        ps, g = self.block_pool.page_size, self.max_drafts
+        ps, g = self.block_pool.page_size, self.block_len
         prefix = min(prefix, self.block_pool.free_pages() // n * ps - g)
         rows = min(2, prefix)  # what a round typically commits
         if rows < 1:
@@ -280,7 +283,7 @@ class DSparkProposer(Proposer):
         """Each request's pending features (the context rows the block forward
         stores on its way) and its block at the positions after them, ``p ..
         p + gamma - 1`` of its draft pages (covered here)."""
-        g, ps = self.max_drafts, self.block_pool.page_size
+        g, ps = self.block_len, self.block_pool.page_size
         feats: list[torch.Tensor] = []
         x = BlockInputs(torch.empty(0), [], [], [], [], [], [], [])
         for r in reqs:
@@ -326,7 +329,7 @@ class DSparkProposer(Proposer):
                     "the draft context must cover every position before the anchor"
                 )
             attend = self._window_attend(reqs)
-            hidden = self.model.block_hidden(anchors, starts, attend, self.max_drafts)
+            hidden = self.model.block_hidden(anchors, starts, attend, self.block_len)
         else:
             # A round's commits (a few rows per request) ride the block's
             # forward; a prompt's features (whole prefills) take the K/V-only
@@ -339,10 +342,11 @@ class DSparkProposer(Proposer):
                 hidden = self.graphs.run(x)
             else:
                 hidden = eager_block(
-                    self.model, self.attn_backend, self.kv_pool, x, anchors, self.max_drafts,
+                    self.model, self.attn_backend, self.kv_pool, x, anchors, self.block_len,
                     self.block_pool.page_size,
                 )  # fmt: skip
         self._settle(reqs)
+        hidden = hidden[:, self.model.lead :]  # the drafts' slots
         temps = torch.tensor(
             [r.sampling.temperature if not r.sampling.greedy else 0.0 for r in reqs], device=device
         )
@@ -361,7 +365,7 @@ class DSparkProposer(Proposer):
         """The blocks run by every rank of the group (``DraftShard``): the
         draft context is in the pool, stored by the target's forwards."""
         assert self.shard is not None
-        g, w, ps = self.max_drafts, self.model.window, self.block_pool.page_size
+        g, w, ps = self.block_len, self.model.window, self.block_pool.page_size
         tables = []
         for r in reqs:
             st = r.draft_state

@@ -64,6 +64,10 @@ class DSparkConfig:
     # A drafter with its own reduced vocabulary: its head's and its Markov
     # head's W2's rows (draft id i is target id i + d2t[i]); None: the target's.
     draft_vocab_size: int | None = None
+    # The slot layout: True, DeepSpec's (slot k predicts anchor + k + 1,
+    # block_size drafts); False, the 1 + N layout (slot 0 the anchor's bonus
+    # token, slot k predicts anchor + k: a block of block_size + 1 positions).
+    sample_from_anchor: bool = True
 
     @property
     def drafting_vocab(self) -> int:
@@ -114,6 +118,7 @@ class DSparkConfig:
             confidence_head_with_markov=with_markov,
             attention_bias=base.attention_bias,
             draft_vocab_size=None if draft_vocab is None else int(draft_vocab),
+            sample_from_anchor=bool(cfg.get("sample_from_anchor", True)),
         )
 
 
@@ -294,6 +299,7 @@ class DSparkDraftModel(BlockDrafter):
         if cfg.enable_confidence_head:
             extra = cfg.markov_rank if cfg.confidence_head_with_markov else 0
             self.confidence_head = ConfidenceHead(d + extra)
+        self.lead = 0 if cfg.sample_from_anchor else 1
         # DFlash runs a DSpark checkpoint without its Markov and confidence heads.
         self.use_markov = use_markov and self.markov_head is not None
         self.use_confidence = use_confidence and self.confidence_head is not None
@@ -303,7 +309,7 @@ class DSparkDraftModel(BlockDrafter):
             cfg.rope,
             cfg.head_dim,
             cfg.max_position_embeddings,
-            extra_positions=longer + cfg.block_size,
+            extra_positions=longer + cfg.block_size + self.lead,
         )
 
     @property

@@ -100,7 +100,11 @@ def _settings(tcfg: ModelConfig, drafter: str, num_draft_tokens: int | None) -> 
         "settings": {
             "target_layer_ids": list(d.target_layer_ids),
             "block_size": d.block_size,
-            "slot_layout": "slot k predicts anchor + k + 1",
+            "slot_layout": (
+                "slot k predicts anchor + k + 1 (DeepSpec's)"
+                if d.sample_from_anchor
+                else "slot 0 the bonus token, slot k predicts anchor + k (1 + N)"
+            ),
             "markov_head": markov,
             "confidence_head": conf,
             "vocabulary": (
