@@ -131,7 +131,36 @@ def test_the_online_correction_moves_a_wrong_table_toward_measured_times() -> No
     after = planner.step_seconds(4, 4)
     assert before == pytest.approx(0.001)
     assert after == pytest.approx(0.010, rel=0.05)
-    assert planner.step_seconds(64, 512) == pytest.approx(0.001)  # other cells keep theirs
+    # A cell never measured takes the measured factor (here of its only
+    # measured neighbour); once measured, its own.
+    assert planner.step_seconds(64, 512) == pytest.approx(0.010, rel=0.05)
+    for _ in range(60):
+        planner.observe_step(64, 512, 64, 448, 512, 0.002, 0.0)
+    assert planner.step_seconds(64, 512) == pytest.approx(0.002, rel=0.05)
+    assert planner.step_seconds(4, 4) == pytest.approx(0.010, rel=0.05)
+
+
+def test_a_table_profiled_under_load_is_right_once_any_step_is_measured() -> None:
+    """Profiled while another process ran, every cell 40x too dear. A table
+    wrong by one factor decides as a right one; correcting only the cells
+    measured made it wrong by two: a plain engine measures plain steps
+    only, so its plain cell came down and the verify cells and drafter it
+    never ran stayed 40x dear (beyond the 16x a correction could reach),
+    and it never drafted again (a sweep's batch-1 DSPARK server stepped
+    plain 100% of the time, where fixed lengths gave 1.5x plain)."""
+    fast, verify, drafting = 0.004, 0.006, 0.002  # plain, an 8-token verify, a round
+    table = CostTable([1, 8], [1, 8], [[40 * fast, 40 * verify]] * 2)
+    draft = CostTable([1, 8], [1], [[40 * drafting], [40 * drafting]])
+    planner = SpecPlanner(7, table, draft_costs=draft)
+    owns, limits = [None], [7]
+    assert planner.before_draft(owns, limits, 1, 0) == [7]
+    for _ in range(60):  # plain steps, measured
+        planner.observe_step(1, 1, 1, 0, 1, fast, 0.0)
+    assert planner.step_seconds(1, 1) == pytest.approx(fast, rel=0.05)
+    assert planner.step_seconds(1, 8) == pytest.approx(verify, rel=0.05)
+    assert planner.draft_seconds(1) == pytest.approx(drafting, rel=0.05)
+    planner.block, planner.nets = None, {}  # the model's decision, not the safety net's
+    assert planner.before_draft(owns, limits, 1, 0) == [7]
 
 
 def test_one_slow_step_moves_the_correction_by_a_factor_not_to_itself() -> None:
@@ -176,7 +205,12 @@ def test_a_profiled_drafter_prices_every_load_and_is_corrected_online() -> None:
     for _ in range(60):
         planner.observe_draft(8, 0.016)
     assert planner.draft_seconds(8) == pytest.approx(0.016, rel=0.05)
-    assert planner.draft_seconds(1) == pytest.approx(0.002)  # other loads keep theirs
+    # A load never measured takes the measured factor; once measured, its own.
+    assert planner.draft_seconds(1) == pytest.approx(0.004, rel=0.05)
+    for _ in range(60):
+        planner.observe_draft(1, 0.0025)
+    assert planner.draft_seconds(1) == pytest.approx(0.0025, rel=0.05)
+    assert planner.draft_seconds(8) == pytest.approx(0.016, rel=0.05)
 
 
 def run_steps(planner: SpecPlanner, steps: int, spec: tuple, plain: tuple, requests: int = 4):

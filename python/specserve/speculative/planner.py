@@ -17,7 +17,8 @@ request's admitted drafts are always a prefix: ``S`` never grows with
 CUDA-graph buckets. B = 0 is a true plain step: no drafter forward.
 
 The step cost comes from a table profiled at start-up on the forwards real
-steps run, corrected online per cell by an EWMA of log(measured / table);
+steps run, corrected online per cell by an EWMA of log(measured / table)
+(a cell never measured: its row's, else the whole table's);
 the draft cost is measured online (priced by a power law where it was
 not). A safety net measures what the engine delivers under the model's
 decisions and under plain steps alone, in blocks of steps per load bucket,
@@ -62,7 +63,8 @@ PRIOR = 0.8
 # alike).
 CAL_PRIOR = 0.5
 # A correction of the step table takes one measurement as at most this
-# factor off (a first launch, a stall), whatever it measured.
+# factor off its current prediction (a first launch, a stall), whatever it
+# measured; measurements that keep saying so move it on, by any factor.
 MAX_CORRECTION = 16.0
 # The safety net measures what the engine delivers: per load bucket, blocks
 # of BLOCK_STEPS steps in a row either decided by the model or all plain,
@@ -160,6 +162,13 @@ class _Ewma:
 
     def add(self, x: float) -> None:
         self.value = x if self.value is None else self.value + ALPHA * (x - self.value)
+        self.count += 1
+
+    def add_log(self, x: float) -> None:
+        """A log-ratio, its step from the current value at most log(MAX_CORRECTION)."""
+        assert self.value is not None
+        limit = math.log(MAX_CORRECTION)
+        self.value += ALPHA * min(max(x - self.value, -limit), limit)
         self.count += 1
 
 
@@ -288,12 +297,22 @@ class SpecPlanner:
         # again).
         self.cal_acc = [_Ewma(value=CAL_PRIOR) for _ in range(self.width)]
         self.cal_conf = [_Ewma(value=CAL_PRIOR) for _ in range(self.width)]
-        # log(measured / profiled) per cell: an EWMA in logs, from 0 (the
-        # profile's word), so an outlier moves it by a factor, not to itself.
+        # log(measured / profiled) per cell: an EWMA in logs, so an outlier
+        # moves it by a factor, not to itself. A cell never measured takes
+        # its requests bucket's (every cell of it measured so far), else the
+        # whole table's: a table wrong by one factor (profiled while another
+        # process ran) is right again as soon as any step is measured, the
+        # verify cells a plain engine never runs included. A cell's first
+        # measurement starts from that.
         self.correction: dict[tuple[int, int], _Ewma] = {}
+        self.row_correction: dict[int, _Ewma] = {}
+        self.table_correction = _Ewma(value=0.0)
         # By drafting-requests bucket: log(measured / profiled) with a
-        # profile (as the step's cells), else the seconds themselves.
+        # profile (as the step's cells; a bucket never measured takes the
+        # drafter's other buckets', else the target table's), else the
+        # seconds themselves.
         self.draft_cost: dict[int, _Ewma] = {}
+        self.draft_correction: _Ewma | None = None
         self.nets: dict[int, _SafetyNet] = {}  # by load_bucket
         self.block: _Block | None = None  # the steps the current regime decides
         self.stats = PlannerStats()
@@ -361,8 +380,13 @@ class SpecPlanner:
 
     def _factor(self, cell: tuple[int, int]) -> float:
         """The measured / table factor of a cell (1 before any measurement)."""
-        fix = self.correction.get(cell)
-        return math.exp(fix.value) if fix is not None and fix.value else 1.0
+        fix = self._correction_of(cell)
+        return math.exp(fix.value) if fix.value else 1.0
+
+    def _correction_of(self, cell: tuple[int, int]) -> _Ewma:
+        """A cell's correction, or what stands in for it (see ``reset``)."""
+        fix = self.correction.get(cell) or self.row_correction.get(cell[0])
+        return fix or self.table_correction
 
     def draft_seconds(self, n: int) -> float:
         """The drafter for ``n`` requests (0 before any was measured)."""
@@ -377,9 +401,10 @@ class SpecPlanner:
         seconds: a bucket that drafts once is measured."""
         if self.draft_costs is not None:
             out = []
+            fallback = self.draft_correction or self.table_correction
             for b in range(top + 1):
-                fix = self.draft_cost.get(b)
-                f = math.exp(fix.value) if fix is not None and fix.value else 1.0
+                fix = self.draft_cost.get(b, fallback)
+                f = math.exp(fix.value) if fix.value else 1.0
                 out.append(self.draft_costs(1 << b, 1 << b) * f)
             return out
         known = sorted((b, e.value) for b, e in self.draft_cost.items() if e.value is not None)
@@ -476,9 +501,12 @@ class SpecPlanner:
         if self.draft_costs is None:
             self.draft_cost.setdefault(bucket(n), _Ewma()).add(seconds)
             return
-        table = self.draft_costs(n, n)
-        ratio = min(max(seconds / max(table, 1e-12), 1 / MAX_CORRECTION), MAX_CORRECTION)
-        self.draft_cost.setdefault(bucket(n), _Ewma(value=0.0)).add(math.log(ratio))
+        x = math.log(max(seconds, 1e-12) / max(self.draft_costs(n, n), 1e-12))
+        start = (self.draft_correction or self.table_correction).value
+        if self.draft_correction is None:
+            self.draft_correction = _Ewma(value=start)
+        self.draft_cost.setdefault(bucket(n), _Ewma(value=start)).add_log(x)
+        self.draft_correction.add_log(x)
 
     def observe_step(
         self,
@@ -498,8 +526,12 @@ class SpecPlanner:
         raw = self.costs(requests, tokens)
         self.stats.predicted_seconds += raw * self._factor(cell)
         if self.gate:  # without it the saved table decides alone, run after run alike
-            ratio = min(max(seconds / max(raw, 1e-12), 1 / MAX_CORRECTION), MAX_CORRECTION)
-            self.correction.setdefault(cell, _Ewma(value=0.0)).add(math.log(ratio))
+            x = math.log(max(seconds, 1e-12) / max(raw, 1e-12))
+            if cell not in self.correction:
+                self.correction[cell] = _Ewma(value=self._correction_of(cell).value)
+            row = self.row_correction.setdefault(cell[0], _Ewma(value=self.table_correction.value))
+            for fix in (self.correction[cell], row, self.table_correction):
+                fix.add_log(x)
         self.stats.measured_seconds += seconds
         if self.block is not None and math.isfinite(seconds):
             # Every step counts, the first after a switch (which pays the
