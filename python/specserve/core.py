@@ -30,28 +30,37 @@ class ReqStatus(enum.Enum):
 @dataclass
 class SpecStats:
     """Verify rounds and the tokens they committed (bonus included): of one
-    request, or of the engine's life (which also counts, per draft
-    position, the rounds that verified it and those that accepted it)."""
+    request, or of the engine's life (which also counts its rounds by the
+    drafts they verified and by those they accepted)."""
 
     rounds: int = 0
     committed: int = 0
-    verified_at: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
+    by_verified: list[int] = field(default_factory=list)  # [n]: rounds verifying n drafts
+    by_accepted: list[int] = field(default_factory=list)  # [n]: rounds accepting n
 
     def add(self, committed: int, verified: int | None = None) -> None:
         """A round that committed ``committed`` tokens; ``verified``: its
-        drafts, counted per position when given."""
+        drafts, when the round is counted by them."""
         self.rounds += 1
         self.committed += committed
-        if verified:
-            grow = verified - len(self.verified_at)
-            if grow > 0:
-                self.verified_at += [0] * grow
-                self.accepted_at += [0] * grow
-            for k in range(verified):
-                self.verified_at[k] += 1
-            for k in range(min(committed - 1, verified)):
-                self.accepted_at[k] += 1
+        if verified is not None:
+            for hist, n in ((self.by_verified, verified), (self.by_accepted, committed - 1)):
+                if n >= len(hist):
+                    hist += [0] * (n + 1 - len(hist))
+                hist[n] += 1
+
+    def per_position(self) -> tuple[list[int], list[int]]:
+        """Per draft position k: the rounds that verified it, and that
+        accepted it (those verifying, or accepting, more than k)."""
+        out = []
+        for hist in (self.by_verified, self.by_accepted):
+            counts, above = [], 0
+            for n in reversed(hist[1:]):
+                above += n
+                counts.append(above)
+            out.append(counts[::-1])
+        verified, accepted = out
+        return verified, accepted + [0] * (len(verified) - len(accepted))
 
     @property
     def accept_length(self) -> float:

@@ -118,3 +118,37 @@ def test_cached_rounds_equal_a_from_scratch_reference(paths, reference) -> None:
     for r in reqs:
         prop.release(r)
     assert pool.free_pages() == pool.total_pages()
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"model_type": "deepseek_v41"}, "DeepSeek-V4.1 .* is not supported"),
+        ({"dspark_markov_head_type": "gated"}, "vanilla Markov head only"),
+        ({"sample_from_anchor": False}, "sample_from_anchor false is not supported"),
+        ({"n_mtp_layers": 7}, "n_mtp_layers 7 must equal the number of dspark_target_layer_ids"),
+        ({"dspark_n_routed_experts": 128}, "dspark_n_routed_experts 128: a drafter with other MoE"),
+    ],
+)
+def test_what_other_v4_releases_need_is_named(paths, changes, says) -> None:
+    """The published releases' keys this drafter does not implement stop
+    the load with the key and the release; those it does pass."""
+    import json
+    import os
+
+    from specserve.config import ModelConfig
+    from specserve.speculative.dspark_v4_model import DSparkV4Config
+
+    with open(os.path.join(paths["drafter"], "config.json")) as f:
+        cfg = json.load(f)
+    target = ModelConfig.from_path(paths["target"])
+    same = {
+        "n_mtp_layers": len(cfg["dspark_target_layer_ids"]),
+        "dspark_markov_head_type": "vanilla",
+    }
+    assert (
+        DSparkV4Config.from_dict({**cfg, **same}, target, "c.json").num_stages
+        == same["n_mtp_layers"]
+    )
+    with pytest.raises(ValueError, match=says):
+        DSparkV4Config.from_dict({**cfg, **changes}, target, "c.json")

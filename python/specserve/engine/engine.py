@@ -490,6 +490,8 @@ class Engine:
         total, free = self.total_pages(), self.free_pages()
         st = self.core.stats
         spec = self.core.spec
+        # Per draft position: the rounds that verified it, that accepted it.
+        verified, accepted = spec.stats.per_position() if spec else ([], [])
         return {
             "running": len(sched.running),
             "queued": len(sched.waiting),
@@ -504,9 +506,8 @@ class Engine:
                 r.grammar is not None for r in [*sched.running, *sched.waiting]
             ),
             "spec_accept_length": spec.stats.accept_length if spec else None,
-            # Per draft position: the rounds that verified it, that accepted it.
-            "spec_verified_per_position": list(spec.stats.verified_at) if spec else [],
-            "spec_accepted_per_position": list(spec.stats.accepted_at) if spec else [],
+            "spec_verified_per_position": verified,
+            "spec_accepted_per_position": accepted,
             "spec_verify_rounds": spec.stats.rounds if spec else 0,
             **(spec.planner.stats.to_dict() if spec and spec.planner else {}),
         }

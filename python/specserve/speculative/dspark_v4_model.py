@@ -91,6 +91,7 @@ class DSparkV4Config:
         rank = int(cfg.get("dspark_markov_rank", 0) or 0)
         if rank <= 0:
             raise ValueError(f"{source}: dspark_markov_rank must be > 0, got {rank}")
+        _check_v4_release(cfg, target, source)
         ids = tuple(int(i) for i in cfg["dspark_target_layer_ids"])
         n = target.num_hidden_layers
         if not ids or any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 0 or ids[-1] >= n:
@@ -106,7 +107,41 @@ class DSparkV4Config:
             hidden_size=target.hidden_size,
             vocab_size=target.vocab_size,
             enable_confidence_head=bool(cfg.get("enable_confidence_head", True)),
+            confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", True)),
         )
+
+
+def _check_v4_release(cfg: dict[str, Any], target: ModelConfig, source: str) -> None:
+    """What the published V4 releases' drafters differ in that this one does
+    not do: named errors, each with the release that needs it."""
+    if cfg.get("model_type") == "deepseek_v41":
+        raise ValueError(
+            f"{source}: DeepSeek-V4.1 (model_type deepseek_v41: Engram layers, its drafter "
+            f"reading layer id's input, not its output) is not supported"
+        )
+    kind = cfg.get("dspark_markov_head_type") or "vanilla"
+    if kind != "vanilla":
+        raise ValueError(
+            f"{source}: dspark_markov_head_type {kind!r}: DeepSeek-V4's drafter has the "
+            f"vanilla Markov head only"
+        )
+    if cfg.get("sample_from_anchor", True) is False:
+        raise ValueError(f"{source}: sample_from_anchor false is not supported for DeepSeek-V4")
+    stages = cfg.get("n_mtp_layers")
+    if stages is not None and int(stages) != len(cfg["dspark_target_layer_ids"]):
+        raise ValueError(
+            f"{source}: n_mtp_layers {stages} must equal the number of "
+            f"dspark_target_layer_ids ({len(cfg['dspark_target_layer_ids'])}): a stage per layer"
+        )
+    for key, own in (
+        ("dspark_n_routed_experts", target.deepseek_v4.n_routed_experts),
+        ("dspark_num_experts_per_tok", target.deepseek_v4.num_experts_per_tok),
+    ):
+        if cfg.get(key) is not None and int(cfg[key]) != own:
+            raise ValueError(
+                f"{source}: {key} {cfg[key]}: a drafter with other MoE sizes than its "
+                f"target's ({own}) is not supported (DeepSeek-V4.1's)"
+            )
 
 
 class StageAttention(Attention):
@@ -194,9 +229,10 @@ class DSparkV4DraftModel(BlockDrafter):
         self.embed = VocabParallelEmbedding(target.vocab_size, d, group)
         self.head = VocabParallelHead(d, target.vocab_size, group)
         self.markov_head = MarkovHead(cfg, group)
-        self.confidence_head = (
-            ConfidenceHead(d + cfg.markov_rank, bias=False) if cfg.enable_confidence_head else None
-        )
+        self.confidence_head = None
+        if cfg.enable_confidence_head:
+            extra = cfg.markov_rank if cfg.confidence_head_with_markov else 0
+            self.confidence_head = ConfidenceHead(d + extra, bias=False)
         self.use_markov = use_heads
         self.use_confidence = use_heads and self.confidence_head is not None
 
