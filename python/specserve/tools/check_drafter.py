@@ -40,7 +40,13 @@ def check_drafter(
     problems: list[str] = report["problems"]
     try:
         tcfg = ModelConfig.from_path(target)
-        report.update(_settings(tcfg, drafter, num_draft_tokens))
+        settings, dcfg = _settings(tcfg, drafter, num_draft_tokens)
+        report.update(settings)
+        if dcfg is not None:  # (a V4 drafter's reader checks it against the target)
+            from specserve.speculative.drafter_loader import check_compatible
+
+            check_compatible(dcfg, tcfg.hidden_size, tcfg.vocab_size, tcfg.num_hidden_layers)
+            report["shapes_fit"] = True
     except ValueError as e:  # an unknown or unsupported format, a shape that does not fit
         problems.append(str(e))
     if not problems:
@@ -61,16 +67,19 @@ def check_drafter(
     return report
 
 
-def _settings(tcfg: ModelConfig, drafter: str, num_draft_tokens: int | None) -> dict[str, Any]:
-    """The format and settings as the engine reads them; raises ValueError
-    where the drafter does not fit the target."""
-    from specserve.speculative.drafter_loader import check_compatible, dspark_block_size
+def _settings(
+    tcfg: ModelConfig, drafter: str, num_draft_tokens: int | None
+) -> tuple[dict[str, Any], Any]:
+    """The format and settings as the engine reads them, and the drafter's
+    config where it is still to be checked against the target."""
+    from specserve.speculative.drafter_loader import dspark_block_size
 
     if tcfg.deepseek_v4 is not None:
         from specserve.speculative.dspark_v4_model import DSparkV4Config
 
         v4 = DSparkV4Config.from_path(drafter, tcfg)
         return {
+            "shapes_fit": True,
             "format": "deepseek_v4",
             "settings": {
                 "target_layer_ids": list(v4.target_layer_ids),
@@ -83,13 +92,12 @@ def _settings(tcfg: ModelConfig, drafter: str, num_draft_tokens: int | None) -> 
                 "stages": v4.num_stages,
             },
             "choices": [],
-        }
+        }, None
     from specserve.speculative.drafter_formats import read_drafter
 
     hint = dspark_block_size(None, num_draft_tokens, None)
     ckpt = read_drafter(drafter, hint)
     d = ckpt.config
-    check_compatible(d, tcfg.hidden_size, tcfg.vocab_size, tcfg.num_hidden_layers)
     markov = f"{d.markov_head_type}, rank {d.markov_rank}" if d.markov_rank else "none (DFlash)"
     conf = "none"
     if d.enable_confidence_head:
@@ -116,7 +124,7 @@ def _settings(tcfg: ModelConfig, drafter: str, num_draft_tokens: int | None) -> 
             "draft_layers": d.num_hidden_layers,
         },
         "choices": list(ckpt.choices),
-    }
+    }, d
 
 
 def _run(
@@ -210,6 +218,7 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"  {key.replace('_', ' '):<18} {value}")
         for choice in report["choices"]:
             lines.append(f"  taken: {choice}")
+    if report.get("shapes_fit"):
         lines.append("shapes   fit the target")
     if "greedy" in report:
         g = report["greedy"]
