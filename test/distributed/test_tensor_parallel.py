@@ -385,13 +385,17 @@ def test_greedy_rows_never_leave_the_shards(models) -> None:
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
 
 
-def test_the_drafter_runs_on_the_shards() -> None:
+def test_the_drafter_runs_on_the_shards(tmp_path) -> None:
     """The demo's DSpark drafter (which drafts well) in the TP group: every
     rank holds its heads and shares the target's split embedding and head;
     greedy and seeded sampled drafts, and so every round's acceptance, are
     one device's, and the output ids too. With a token map (its hot ids
-    split unevenly by the shards) as well."""
+    split unevenly by the shards) as well, and its weights read as a
+    speculators drafter of the 1 + N slot layout (blocks a slot longer)."""
+    from specserve.tools.drafter_layouts import write_speculators
+
     demo = "python/specserve/assets/demo/"
+    bonus = write_speculators(demo + "dspark", str(tmp_path / "1+n"), sample_from_anchor=False)
     prompts = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "Once"]
     params = [
         {"temperature": 0, "max_new_tokens": 40},
@@ -399,8 +403,12 @@ def test_the_drafter_runs_on_the_shards() -> None:
         {"temperature": 0, "max_new_tokens": 40},
         {"temperature": 1.0, "seed": 5, "max_new_tokens": 40},
     ]
-    for extra in ({}, {"speculative_token_map": demo + "token_map.pt"}):
-        kw = dict(device="cpu", **_dspark(demo + "dspark"), **extra)
+    for drafter, extra in (
+        (demo + "dspark", {}),
+        (demo + "dspark", {"speculative_token_map": demo + "token_map.pt"}),
+        (bonus, {}),
+    ):
+        kw = dict(device="cpu", **_dspark(drafter), **extra)
         with Engine(model_path=demo + "target", tp_size=2, **kw, **SPLIT) as two:
             drafter, target = two.proposer.model, two.runner.model
             assert two.proposer.shard is not None
@@ -414,4 +422,5 @@ def test_the_drafter_runs_on_the_shards() -> None:
         assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
         accept = [o["meta_info"]["spec_accept_length"] for o in got]
         assert accept == [o["meta_info"]["spec_accept_length"] for o in want]
-        assert sum(accept) / len(accept) > 2  # the drafts matter
+        if drafter != bonus:  # (trained for DeepSpec's layout, it drafts poorly in the other)
+            assert sum(accept) / len(accept) > 2  # the drafts matter
