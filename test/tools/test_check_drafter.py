@@ -82,3 +82,18 @@ def test_weights_that_do_not_fit_their_config_are_named(drafter, tmp_path, capsy
     assert not report["ok"]
     # The first tensor of the wrong shape, named with both shapes.
     assert re.search(r"tensor '.*' has shape \(.*\), config\.json implies", report["problems"][0])
+
+
+def test_a_deepseek_v4_bundle_is_checked_as_one(tmp_path) -> None:
+    """A V4 checkpoint carrying its drafter (``mtp.*``): target and drafter
+    are the same directory."""
+    from specserve.tools.check_drafter import check_drafter
+    from specserve.tools.tiny_model import make_tiny_dspark_v4, make_tiny_model
+
+    target = make_tiny_model(str(tmp_path / "v4"), "deepseek_v4", num_layers=5)
+    bundle = make_tiny_dspark_v4(str(tmp_path / "bundle"), target, bundle=True)
+    report = check_drafter(bundle, bundle, max_new_tokens=6, speed_repeats=1)
+    assert report["ok"], report["problems"]
+    s = report["settings"]
+    assert report["format"] == "deepseek_v4" and s["stages"] == len(s["target_layer_ids"]) > 0
+    assert report["greedy"]["ids_equal"] and report["greedy"]["max_logprob_diff"] <= 1e-4
