@@ -16,7 +16,7 @@ from specserve import Engine
 from specserve.core import Req
 from specserve.sampling.params import SamplingParams
 from specserve.speculative.drafter_formats import detect_format, read_drafter
-from specserve.tools.drafter_layouts import write_speculators, write_torchspec
+from specserve.tools.drafter_layouts import write_deepspec, write_speculators, write_torchspec
 from specserve.tools.tiny_model import make_tiny_dspark
 
 # Every fifth token from 2, written in a shuffled order (d2t's offsets go
@@ -49,6 +49,12 @@ def layouts(tmp_path_factory):
         "speculators-anchor-false": write_speculators(
             gated, str(root / "sp4"), sample_from_anchor=False
         ),
+        # bf16 weights, as the releases ship them (read into the float32 engine;
+        # a reduced vocabulary's own head would be a rounded copy of the
+        # target's, which the token map's is not).
+        "deepspec-bf16": write_deepspec(gated, str(root / "ds-bf16"), dtype=torch.bfloat16),
+        "speculators-bf16": write_speculators(gated, str(root / "sp-bf16"), dtype=torch.bfloat16),
+        "torchspec-bf16": write_torchspec(gated, str(root / "ts-bf16"), dtype=torch.bfloat16),
     }
 
 
@@ -61,6 +67,8 @@ SAME_AS = {
     "speculators": ("deepspec", {}),
     "speculators-unsaid": ("deepspec", {}),
     "speculators-reduced": ("deepspec", {"token_map": True}),
+    "speculators-bf16": ("deepspec-bf16", {}),
+    "torchspec-bf16": ("deepspec-bf16", {}),
 }
 
 

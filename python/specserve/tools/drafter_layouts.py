@@ -40,8 +40,17 @@ def _read(src: str) -> tuple[dict, dict[str, torch.Tensor]]:
     return cfg, load_file(os.path.join(src, "model.safetensors"))
 
 
-def _write(dst: str, cfg: dict, state: dict[str, torch.Tensor]) -> str:
+def _write(
+    dst: str, cfg: dict, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None
+) -> str:
+    """``dtype``: the floating tensors' (a bf16 release's), else as they are."""
     os.makedirs(dst, exist_ok=True)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        name = str(dtype).removeprefix("torch.")
+        for key in ("dtype", "torch_dtype"):
+            if key in cfg:
+                cfg[key] = name
     state = {k: v.contiguous() for k, v in state.items()}
     save_file(state, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(dst, "config.json"), "w") as f:
@@ -49,8 +58,19 @@ def _write(dst: str, cfg: dict, state: dict[str, torch.Tensor]) -> str:
     return dst
 
 
+def write_deepspec(src: str, dst: str, *, dtype: torch.dtype | None = None) -> str:
+    """The drafter at ``src`` again in DeepSpec's layout, its weights in ``dtype``."""
+    cfg, state = _read(src)
+    return _write(dst, cfg, state, dtype)
+
+
 def write_torchspec(
-    src: str, dst: str, *, trained_names: bool = True, variant: str = "qwen3_dspark"
+    src: str,
+    dst: str,
+    *,
+    trained_names: bool = True,
+    variant: str = "qwen3_dspark",
+    dtype: torch.dtype | None = None,
 ) -> str:
     """TorchSpec's export of the drafter at ``src``: no ``lm_head`` and no
     ``block_size``; ``num_target_layers`` the captured layers' count.
@@ -87,7 +107,7 @@ def write_torchspec(
     if trained_names:
         names = {"fc.": "context_proj.", "hidden_norm.": "context_norm.", "norm.": "final_norm."}
         state = {_rename(k, names): v for k, v in state.items()}
-    return _write(dst, out, state)
+    return _write(dst, out, state, dtype)
 
 
 def write_speculators(
@@ -97,13 +117,14 @@ def write_speculators(
     draft_ids: Sequence[int] | None = None,
     sample_from_anchor: bool | None = True,
     verifier: str = "Qwen/Qwen3-8B",
+    dtype: torch.dtype | None = None,
 ) -> str:
     """The speculators format's export of the drafter at ``src`` (``DSparkSpeculator``):
     the backbone in ``transformer_layer_config``, hidden-state ids counting
     the embeddings as 0, no ``embed_tokens``. ``draft_ids``: a reduced draft
     vocabulary, these target ids (its head's and W2's rows, ``d2t`` /
     ``t2d``). ``sample_from_anchor`` None leaves the field out, as exports
-    older than it did."""
+    older than it did. ``dtype``: the weights' (bf16, as the releases)."""
     cfg, state = _read(src)
     backbone = {k: cfg[k] for k in _BACKBONE if k in cfg}
     backbone.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
@@ -149,7 +170,7 @@ def write_speculators(
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[ids] = True
         state["t2d"] = t2d
-    return _write(dst, out, state)
+    return _write(dst, out, state, dtype)
 
 
 def _rename(key: str, prefixes: dict[str, str]) -> str:
