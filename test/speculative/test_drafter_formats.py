@@ -256,5 +256,28 @@ def test_unsupported_layouts_are_named(layouts, tmp_path) -> None:
     )
     with pytest.raises(ValueError, match="speculators_model_type 'eagle3' is not a DSpark"):
         read_drafter(str(tmp_path / "eagle"))
+    (tmp_path / "window").mkdir()
+    (tmp_path / "window" / "config.json").write_text(
+        json.dumps({**cfg, "sliding_window_non_causal": True})
+    )
+    with pytest.raises(ValueError, match="sliding_window_non_causal true .* not supported"):
+        read_drafter(str(tmp_path / "window"))
     with pytest.raises(ValueError, match="speculative_token_map: the drafter has its own reduced"):
         proposer_for(layouts["speculators-reduced"], speculative_token_map=layouts["map"])
+
+
+def test_a_whole_vocabularys_identity_map_is_not_read(layouts, tmp_path) -> None:
+    """A speculators export over the whole vocabulary may still carry
+    ``d2t`` (all zeros) and ``t2d`` (all true): nothing reads them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "with-maps"
+    shutil.copytree(layouts["speculators"], path)
+    state = load_file(str(path / "model.safetensors"))
+    state["d2t"] = torch.zeros(528, dtype=torch.long)
+    state["t2d"] = torch.ones(528, dtype=torch.bool)
+    save_file(state, str(path / "model.safetensors"))
+    prop, _ = proposer_for(str(path))
+    assert prop.model.hot_ids is None  # drafts over the whole vocabulary

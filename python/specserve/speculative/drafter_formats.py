@@ -152,6 +152,11 @@ def _read_speculators(cfg: dict[str, Any], source: str) -> DrafterCheckpoint:
     for key in ("aux_hidden_state_layer_ids", "block_size", "mask_token_id"):
         if key not in cfg:
             raise ValueError(f"{source}: missing speculators DSpark field {key!r}")
+    if cfg.get("sliding_window_non_causal"):
+        raise ValueError(
+            f"{source}: sliding_window_non_causal true (draft layers attending to a window of "
+            f"the context) is not supported; the drafter's layers see the whole context"
+        )
     choices = []
     anchor = cfg.get("sample_from_anchor")
     if anchor is None:
@@ -180,11 +185,12 @@ def _read_speculators(cfg: dict[str, Any], source: str) -> DrafterCheckpoint:
         norm["markov_head_type"] = "vanilla"
     dcfg = DSparkConfig.from_dict(norm, source)
     renames: tuple[tuple[str, str], ...] = ()
+    ignored = ("t2d", "d2t")  # (a whole vocabulary's identity map, if written)
     if dcfg.draft_vocab_size is not None:
         # The drafter's own reduced head; the target's full one stays shared.
-        renames = (("lm_head.", "draft_head."),)
+        renames, ignored = (("lm_head.", "draft_head."),), ("t2d",)
     return DrafterCheckpoint(
-        "speculators", dcfg, renames=renames, ignored=("t2d",), choices=tuple(choices)
+        "speculators", dcfg, renames=renames, ignored=ignored, choices=tuple(choices)
     )
 
 
