@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,12 +64,15 @@ class DrafterCheckpoint:
 
     def checkpoint_key(self, key: str) -> str | None:
         """The internal name of checkpoint tensor ``key`` (None: not read)."""
-        if key in self.ignored:
-            return None
-        for old, new in self.renames:
-            if key.startswith(old):
-                return new + key[len(old) :]
-        return key
+        return None if key in self.ignored else renamed(key, self.renames)
+
+
+def renamed(key: str, renames: Sequence[tuple[str, str]]) -> str:
+    """``key`` with its first matching prefix of ``renames`` (old, new) replaced."""
+    for old, new in renames:
+        if key.startswith(old):
+            return new + key[len(old) :]
+    return key
 
 
 def read_drafter(path: str, block_hint: int | None = None) -> DrafterCheckpoint:

@@ -63,7 +63,7 @@ from specserve.speculative.planner import static_lengths
 
 logger = logging.getLogger(__name__)
 
-# The made-up requests a round is profiled on (``profile_requests``).
+# The made-up requests a round is profiled on (``profile_round``).
 PROFILE_SAMPLING = SamplingParams(temperature=0.0)
 
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specserve.config import ModelConfig
+
+if TYPE_CHECKING:
+    from specserve.speculative.dspark_model import DSparkConfig
 
 PROMPTS = (
     "def fibonacci(n):",
@@ -69,7 +72,7 @@ def check_drafter(
 
 def _settings(
     tcfg: ModelConfig, drafter: str, num_draft_tokens: int | None
-) -> tuple[dict[str, Any], Any]:
+) -> tuple[dict[str, Any], DSparkConfig | None]:
     """The format and settings as the engine reads them, and the drafter's
     config where it is still to be checked against the target."""
     from specserve.speculative.drafter_loader import dspark_block_size

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
+from specserve.speculative.drafter_formats import TORCHSPEC_RENAMES, renamed
+
 # The backbone fields a DeepSpec config shares with its Qwen3 target.
 _BACKBONE = (
     "model_type",
@@ -105,8 +107,9 @@ def write_torchspec(
         }
     state.pop("lm_head.weight", None)
     if trained_names:
-        names = {"fc.": "context_proj.", "hidden_norm.": "context_norm.", "norm.": "final_norm."}
-        state = {_rename(k, names): v for k, v in state.items()}
+        # The readers' renames the other way (a DSpark export has no midlayer).
+        back = [(new, old) for old, new in TORCHSPEC_RENAMES if old != "midlayer."]
+        state = {renamed(k, back): v for k, v in state.items()}
     return _write(dst, out, state, dtype)
 
 
@@ -171,10 +174,3 @@ def write_speculators(
         t2d[ids] = True
         state["t2d"] = t2d
     return _write(dst, out, state, dtype)
-
-
-def _rename(key: str, prefixes: dict[str, str]) -> str:
-    for old, new in prefixes.items():
-        if key.startswith(old):
-            return new + key[len(old) :]
-    return key
