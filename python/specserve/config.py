@@ -17,6 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from specserve.models.deepseek_v4_config import DeepseekV4Config
+    from specserve.models.gemma4_config import Gemma4Config
 
 LOGPROBS_MODES = ("raw", "processed")
 
@@ -89,6 +90,8 @@ class ModelConfig:
     # DeepSeek-V4's own fields (attention kinds, compression, mHC, MoE); None
     # for the dense decoders.
     deepseek_v4: DeepseekV4Config | None = None
+    # Gemma 4's own fields (sliding and global layers, their shapes, MoE).
+    gemma4: Gemma4Config | None = None
 
     @classmethod
     def from_path(cls, model_path: str) -> ModelConfig:
@@ -100,6 +103,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        from specserve.models.gemma4_config import is_gemma4, parse_gemma4, text_fields
+
+        gemma4 = None
+        if is_gemma4(cfg):
+            cfg = text_fields(cfg)
+            gemma4 = parse_gemma4(cfg, source)
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else cfg.get("model_type", "")
 
@@ -119,8 +128,9 @@ class ModelConfig:
                 need(key)
             cfg = {**cfg, "intermediate_size": need("moe_intermediate_size")}
             v4 = parse_deepseek_v4(cfg, int(head_dim), source)
-        elif cfg.get("use_sliding_window") or any(
-            t != "full_attention" for t in cfg.get("layer_types") or []
+        elif gemma4 is None and (
+            cfg.get("use_sliding_window")
+            or any(t != "full_attention" for t in cfg.get("layer_types") or [])
         ):
             raise ValueError(f"{source}: sliding-window attention is not supported")
         eos = cfg.get("eos_token_id")
@@ -137,22 +147,27 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             rope=parse_rope(cfg) if v4 is None else v4.main_rope,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Gemma ties its head to the embedding unless told otherwise.
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma4 is not None)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch.startswith("Qwen3") or cfg.get("model_type") == "qwen3",
-            hidden_act=str(cfg.get("hidden_act", "silu")),
+            hidden_act=str(cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"),
             # transformers 5 writes ``dtype``, earlier versions ``torch_dtype``.
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             fp8_block=parse_quantization(cfg, source),
             deepseek_v4=v4,
+            gemma4=gemma4,
         )
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+    def kv_layers(self) -> list[tuple[int, int]]:
+        """Each layer's (KV heads, head dim): one shape for most models,
+        Gemma 4's global layers differ from its sliding ones."""
+        if self.gemma4 is not None:
+            return list(zip(self.gemma4.kv_heads, self.gemma4.head_dims))
+        return [(self.num_key_value_heads, self.head_dim)] * self.num_hidden_layers
 
 
 def parse_quantization(cfg: dict[str, Any], source: str) -> tuple[int, int] | None:

@@ -96,9 +96,11 @@ def paged_attention_ref(
     page_size: int,
     scale: float | None = None,
     causal: bool = True,
+    window: int = 0,
 ) -> torch.Tensor:
     """Torch reference: per request, gather its keys densely and attend in
-    float32 (causally, or to every key). Returns ``[T, H, D]`` in q's dtype."""
+    float32 (causally, or to every key; ``window`` > 0: only to the last
+    ``window`` positions). Returns ``[T, H, D]`` in q's dtype."""
     h, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -114,7 +116,10 @@ def paged_attention_ref(
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale  # [H, q_len, L]
         if causal:
             qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-            scores = scores.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+            hidden = pos[None, :] > qpos[:, None]  # [q_len, L]
+            if window:
+                hidden |= pos[None, :] <= qpos[:, None] - window
+            scores = scores.masked_fill(hidden[None], float("-inf"))
         o = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
         out[row : row + q_len] = o.to(q.dtype)
         row += q_len
@@ -142,6 +147,7 @@ if HAS_TRITON:
         stride_tb,
         tiles_ptr,
         scale,
+        window,
         D: tl.constexpr,
         D_PAD: tl.constexpr,
         G: tl.constexpr,
@@ -150,6 +156,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
         CAUSAL: tl.constexpr,
+        WINDOWED: tl.constexpr,
         PRECISION: tl.constexpr,
         DOT_F32: tl.constexpr,
     ):
@@ -185,7 +192,11 @@ if HAS_TRITON:
         acc = tl.zeros([ROWS, D_PAD], dtype=tl.float32)
         # Keys past the tile's last query position are never seen.
         last = kv_len - q_len + tl.minimum(q0 + BLOCK_Q, q_len) if CAUSAL else kv_len
-        for start in range(0, last, BLOCK_N):
+        # Nor, in a sliding window, keys before the tile's first query's window.
+        lo = 0
+        if WINDOWED:
+            lo = tl.maximum(kv_len - q_len + q0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, last, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < last
             page = tl.load(table_ptr + b * stride_tb + n // PAGE_SIZE, mask=n_ok, other=0)
@@ -199,6 +210,8 @@ if HAS_TRITON:
             x = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=tl.float32)
             x = x * scale  # [ROWS, BLOCK_N]
             seen = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
+            if WINDOWED:
+                seen = seen & (n[None, :] > qpos[:, None] - window)
             x = tl.where(seen, x, NEG_INF)
             m_new = tl.maximum(m, tl.max(x, axis=1))
             # Rows that have seen nothing yet shift by 0: exp(-inf - -inf) is NaN.
@@ -229,8 +242,10 @@ def paged_attention_triton(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     block_n: int = 64,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Triton path; the K/V of the new tokens must already be in the pool."""
+    """Triton path; the K/V of the new tokens must already be in the pool.
+    ``window`` > 0: each query sees the last ``window`` positions (causal only)."""
     if not HAS_TRITON:
         raise RuntimeError("paged_attention_triton needs triton, which is not installed")
     assert q.dim() == 3 and k_cache.dim() == 3, "q must be [T, H, D], the caches [S, Hkv, D]"
@@ -246,6 +261,7 @@ def paged_attention_triton(
         "the head dim must be contiguous"
     )
     assert k_cache.stride() == v_cache.stride(), "K and V caches must share strides"
+    assert window >= 0 and (layout.causal or not window), "a window needs a causal layout"
     assert block_n >= 16 and block_n & (block_n - 1) == 0, (
         f"block_n must be a power of 2: {block_n}"
     )
@@ -276,6 +292,7 @@ def paged_attention_triton(
         layout.page_table.stride(0),
         layout.tiles,
         1.0 / math.sqrt(d) if scale is None else scale,
+        window,
         D=d,
         D_PAD=max(16, _pow2_at_least(d)),
         G=g,
@@ -284,6 +301,7 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         PAGE_SIZE=layout.page_size,
         CAUSAL=layout.causal,
+        WINDOWED=window > 0,
         # float32 models get float32 products (not TF32): logprobs must match.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=interpreted(),

@@ -13,6 +13,7 @@ drafter read their pools through these same backends.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,11 +38,31 @@ class AttentionMetadata:
     entry_tables: list[list[list[int]]] = field(default_factory=list)
     # Whatever the backend precomputes once per forward for all layers.
     plan: object = field(default=None)
+    # The same for the sliding-window layers, by window (the torch backend).
+    window_plans: dict[int, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What sets one attention layer apart from its model's others."""
+
+    window: int = 0  # > 0: a query sees the last ``window`` positions, its own included
+    scale: float | None = None  # None: 1 / sqrt(head_dim)
+
+
+FULL_LAYER = LayerAttention()
 
 
 class AttentionBackend(ABC):
-    def __init__(self, kv_pool: KVPool) -> None:
+    def __init__(self, kv_pool: KVPool, layers: Sequence[LayerAttention] = ()) -> None:
+        """``layers``: each layer's window and scale (empty: every layer
+        causal over its whole prefix at 1 / sqrt(head_dim))."""
         self.kv_pool = kv_pool
+        self.layers = tuple(layers)
+        self.windows = sorted({spec.window for spec in self.layers if spec.window})
+
+    def layer(self, i: int) -> LayerAttention:
+        return self.layers[i] if self.layers else FULL_LAYER
 
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -106,6 +127,7 @@ class _TorchPlan:
     # The batch is exactly its chains, all of one length: q and the output are
     # views, no gather or scatter.
     chain_whole: bool = False
+    window: int = 0  # the sliding window these masks apply (0: none)
 
 
 @dataclass
@@ -139,10 +161,19 @@ class TorchAttentionBackend(AttentionBackend):
     """
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        meta.plan = self._plan(meta, 0)
+        longest = max(meta.kv_lens, default=0)
+        # A window no key falls out of masks nothing: the full plan serves.
+        meta.window_plans = {
+            w: meta.plan if longest <= w or not meta.causal else self._plan(meta, w)
+            for w in self.windows
+        }
+
+    def _plan(self, meta: AttentionMetadata, window: int) -> _TorchPlan | _LonePlan:
         if len(meta.q_lens) == 1:
-            meta.plan = self._plan_lone(meta)
-            if meta.plan is not None:
-                return
+            lone = self._plan_lone(meta, window)
+            if lone is not None:
+                return lone
         device = meta.positions.device
         ps = meta.page_size
         single_ids: list[int] = []
@@ -171,18 +202,20 @@ class TorchAttentionBackend(AttentionBackend):
             padded = [t + [0] * (width - len(t)) for t in tables]
             single_pages = upload(padded, device)
             past = past_kv_len(lens, width * ps)  # [Bs, P * ps]
-            single_bias = padding_bias(past, self.kv_pool.dtype, device)[:, None, None, :]
             single_tail = tail_slots(past).to(device, non_blocking=True)
+            if window:  # and the keys the window has left behind
+                past |= torch.arange(width * ps)[None, :] < torch.tensor(lens)[:, None] - window
+            single_bias = padding_bias(past, self.kv_pool.dtype, device)[:, None, None, :]
             if len(single_ids) != len(meta.q_lens):
                 single_rows = torch.tensor([starts[i] for i in single_ids], device=device)
         plan = _TorchPlan(
-            single_rows, single_pages, single_bias, single_tail, multi, causal=meta.causal
+            single_rows, single_pages, single_bias, single_tail, multi, meta.causal, window=window
         )
         if chain_ids:
             self._plan_chains(plan, meta, chain_ids, starts)
-        meta.plan = plan
+        return plan
 
-    def _plan_lone(self, meta: AttentionMetadata) -> _LonePlan | None:
+    def _plan_lone(self, meta: AttentionMetadata, window: int = 0) -> _LonePlan | None:
         """A lone request's plan (None when a page slid out of a window): a
         batch of one is the common case of a quiet server, and this plan
         costs a few host ops where the general one builds index tensors."""
@@ -195,7 +228,13 @@ class TorchAttentionBackend(AttentionBackend):
             plan = _LonePlan(0, kv_len, upload(table, meta.positions.device), None)
         else:
             plan = _LonePlan(first * ps, first * ps + kv_len, None, None)
-        if meta.causal and q_len > 1:
+        if window and kv_len > window:
+            # Query i at kv_len - q_len + i sees the ``window`` keys up to it.
+            qpos = torch.arange(kv_len - q_len, kv_len)[:, None]
+            key = torch.arange(kv_len)[None, :]
+            hidden = (key > qpos) | (key <= qpos - window)  # [q_len, kv_len]
+            plan.bias = padding_bias(hidden, self.kv_pool.dtype, meta.positions.device)
+        elif meta.causal and q_len > 1:
             if q_len == kv_len:
                 plan.is_causal = True
             else:  # query i sits at kv_len - q_len + i and sees keys up to there
@@ -227,7 +266,10 @@ class TorchAttentionBackend(AttentionBackend):
         qpos = last - q_len_t[:, None] + 1 + torch.minimum(offs[None, :], q_len_t[:, None] - 1)
         if not meta.causal:
             qpos = last.expand(-1, qmax)
-        past = torch.arange(width * ps)[None, None, :] > qpos[:, :, None]  # [Bc, Qmax, P*ps]
+        key = torch.arange(width * ps)[None, None, :]
+        past = key > qpos[:, :, None]  # [Bc, Qmax, P*ps]
+        if plan.window:
+            past |= key <= qpos[:, :, None] - plan.window
         padded = not bool(valid.all())
         plan.chain_whole = not padded and len(ids) == len(meta.q_lens)
         plan.chain_index = None if plan.chain_whole else index.to(device)
@@ -257,7 +299,9 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        plan = meta.plan
+        spec = self.layer(layer)
+        plan = meta.window_plans[spec.window] if spec.window else meta.plan
+        scale = spec.scale
         k_cache, v_cache = self.kv_pool.k[layer], self.kv_pool.v[layer]
         self.kv_pool.store(layer, meta.slot_mapping, k, v)
         gqa = q.shape[1] != k.shape[1]
@@ -268,11 +312,12 @@ class TorchAttentionBackend(AttentionBackend):
                 keys = self._gather(k_cache, plan.pages, meta.page_size)[: plan.stop]
                 values = self._gather(v_cache, plan.pages, meta.page_size)[: plan.stop]
             if q.shape[0] == 1:
-                return _decode_attention(q, keys[None], values[None], None)
+                bias = None if plan.bias is None else plan.bias[None, None]  # [1, 1, 1, L]
+                return _decode_attention(q, keys[None], values[None], bias, scale)
             # Batched 4-D: CPU SDPA takes a 3-D call at about 3x the time.
             o = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                attn_mask=plan.bias, is_causal=plan.is_causal, enable_gqa=gqa,
+                attn_mask=plan.bias, is_causal=plan.is_causal, enable_gqa=gqa, scale=scale,
             )  # fmt: skip
             return o[0].transpose(0, 1)  # [T, H, D]
         assert isinstance(plan, _TorchPlan), "prepare() must run before forward()"
@@ -282,7 +327,7 @@ class TorchAttentionBackend(AttentionBackend):
             qs = q if plan.single_rows is None else q[plan.single_rows]  # [Bs, H, D]
             ks = self._gather(k_cache, plan.single_pages, ps, plan.single_tail)  # [Bs, L, Hkv, D]
             vs = self._gather(v_cache, plan.single_pages, ps, plan.single_tail)
-            o = _decode_attention(qs, ks, vs, plan.single_bias)  # [Bs, H, D]
+            o = _decode_attention(qs, ks, vs, plan.single_bias, scale)  # [Bs, H, D]
             if plan.single_rows is None:
                 out = o
             else:
@@ -295,7 +340,7 @@ class TorchAttentionBackend(AttentionBackend):
             vc = self._gather(v_cache, plan.chain_pages, ps, plan.chain_tail)
             kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)  # [Bc, Hkv, L, D]
             o = F.scaled_dot_product_attention(
-                qc.transpose(1, 2), kc, vc, attn_mask=plan.chain_bias, enable_gqa=gqa
+                qc.transpose(1, 2), kc, vc, attn_mask=plan.chain_bias, enable_gqa=gqa, scale=scale
             ).transpose(1, 2)  # [Bc, Qmax, H, D]
             if plan.chain_whole:
                 return o.reshape(q.shape)
@@ -304,11 +349,18 @@ class TorchAttentionBackend(AttentionBackend):
         for start, q_len, kv_len, pages in plan.multi:
             # Batched 4-D, as SDPA runs fastest on the CPU.
             qm = q[start : start + q_len].transpose(0, 1)[None]  # [1, H, q_len, D]
-            if pages is None:
+            if pages is None and not (plan.window and q_len > plan.window):
                 km = k[start : start + q_len].transpose(0, 1)[None]  # [1, Hkv, q_len, D]
                 vm = v[start : start + q_len].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(
-                    qm, km, vm, is_causal=plan.causal, enable_gqa=gqa
+                    qm, km, vm, is_causal=plan.causal, enable_gqa=gqa, scale=scale
+                )
+            elif pages is None:  # a fresh prefill longer than the window
+                km = k[start : start + q_len].transpose(0, 1)[None]
+                vm = v[start : start + q_len].transpose(0, 1)[None]
+                mask = window_mask(q_len, q_len, plan.window, q.device)
+                o = F.scaled_dot_product_attention(
+                    qm, km, vm, attn_mask=mask, enable_gqa=gqa, scale=scale
                 )
             else:
                 # Cut to kv_len: what the pool holds past it is never read.
@@ -316,11 +368,13 @@ class TorchAttentionBackend(AttentionBackend):
                 vm = self._gather(v_cache, pages, ps)[:kv_len].transpose(0, 1)[None]
                 # [1, Hkv, kv_len, D]. Bottom-right aligned causal mask: query
                 # i sits at kv_len - q_len + i.
-                qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-                if not plan.causal:
-                    qpos = qpos.clamp(min=kv_len - 1)
-                mask = torch.arange(km.shape[2], device=q.device)[None, :] <= qpos[:, None]
-                o = F.scaled_dot_product_attention(qm, km, vm, attn_mask=mask, enable_gqa=gqa)
+                if plan.causal:
+                    mask = window_mask(q_len, kv_len, plan.window, q.device)
+                else:
+                    mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
+                o = F.scaled_dot_product_attention(
+                    qm, km, vm, attn_mask=mask, enable_gqa=gqa, scale=scale
+                )
             out[start : start + q_len] = o[0].transpose(0, 1)
         return out
 
@@ -333,11 +387,21 @@ def _run_start(pages: list[int]) -> int | None:
     return first
 
 
+def window_mask(q_len: int, kv_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """``[q_len, kv_len]`` bool: the keys each of the last ``q_len`` positions
+    sees, causally, and within ``window`` of it (0: no window)."""
+    qpos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    key = torch.arange(kv_len, device=device)[None, :]
+    seen = key <= qpos
+    return seen & (key > qpos - window) if window else seen
+
+
 def _decode_attention(
     q: torch.Tensor,  # [B, H, D]
     k: torch.Tensor,  # [B, L, Hkv, D]
     v: torch.Tensor,  # [B, L, Hkv, D]
     bias: torch.Tensor | None,  # [B, 1, 1, L]; None: every key counts
+    scale: float | None = None,
 ) -> torch.Tensor:
     """One query per request. The query heads sharing a KV head are laid out as
     that head's query rows, so SDPA sees plain multi-head attention with G
@@ -345,7 +409,9 @@ def _decode_attention(
     b, h, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
-    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias)
+    o = F.scaled_dot_product_attention(
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=scale
+    )
     return o.reshape(b, h, d)  # [B, Hkv, G, D] -> [B, H, D]
 
 
@@ -353,9 +419,12 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention read straight from the pool by one Triton kernel
     (``kernels/paged_attention.py``): the default on CUDA."""
 
-    def __init__(self, kv_pool: KVPool, num_heads: int) -> None:
-        super().__init__(kv_pool)
-        kv_heads = kv_pool.k[0].shape[1] if kv_pool.k else 1
+    def __init__(
+        self, kv_pool: KVPool, num_heads: int, layers: Sequence[LayerAttention] = ()
+    ) -> None:
+        super().__init__(kv_pool, layers)
+        # Tiles sized for the largest query-head group of any layer fit every layer.
+        kv_heads = min((k.shape[1] for k in kv_pool.k), default=1)
         self.group = num_heads // kv_heads
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -374,7 +443,11 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert isinstance(meta.plan, PagedLayout), "prepare() must run before forward()"
         self.kv_pool.store(layer, meta.slot_mapping, k, v)
-        return paged_attention_triton(q, self.kv_pool.k[layer], self.kv_pool.v[layer], meta.plan)
+        spec = self.layer(layer)
+        k_cache, v_cache = self.kv_pool.k[layer], self.kv_pool.v[layer]
+        return paged_attention_triton(
+            q, k_cache, v_cache, meta.plan, scale=spec.scale, window=spec.window
+        )
 
 
 ATTENTION_BACKENDS = ("triton", "torch_native")
@@ -388,13 +461,17 @@ def attention_backend_name(name: str | None, device: torch.device) -> str:
 
 
 def make_attention_backend(
-    name: str | None, kv_pool: KVPool, num_heads: int, device: torch.device
+    name: str | None,
+    kv_pool: KVPool,
+    num_heads: int,
+    device: torch.device,
+    layers: Sequence[LayerAttention] = (),
 ) -> AttentionBackend:
     name = attention_backend_name(name, device)
     if name == "triton":
         if not HAS_TRITON:
             raise ValueError("attention_backend: triton is not installed")
-        return TritonAttentionBackend(kv_pool, num_heads)
+        return TritonAttentionBackend(kv_pool, num_heads, layers)
     if name == "torch_native":
-        return TorchAttentionBackend(kv_pool)
+        return TorchAttentionBackend(kv_pool, layers)
     raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")

@@ -289,6 +289,8 @@ class LogitsHead(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
+        # ``c``: logits become ``c * tanh(logits / c)`` (Gemma's final soft cap).
+        self.softcap: float | None = None
         self.packed = PackedWeight()
         self._fp32: torch.Tensor | None = None
         self._fp32_of: tuple[int, int] | None = None  # (data_ptr, version) it copies
@@ -310,6 +312,12 @@ class LogitsHead(nn.Linear):
         return self._fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., V] float32
+        logits = self._linear(x)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap).mul_(self.softcap)
+        return logits
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if w.is_cuda and w.dtype != torch.float32:
             flat = x.reshape(-1, x.shape[-1])

@@ -17,6 +17,8 @@ features. The shared expert's intermediate features are split either way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -98,21 +100,23 @@ class Router(nn.Module):
 
 class RoutedExperts(nn.Module):
     """This rank's experts' ``w1|w3`` as ``w13 [E, 2I, d]`` and ``w2 [E, d,
-    I]``; the checkpoint's per-expert tensors load into their slices. Under
-    tensor parallelism either a contiguous range of whole experts
-    (``expert_parallel``) or a slice of every expert's ``I``."""
+    I]``; the checkpoint's per-expert tensors load into their slices (or,
+    where a checkpoint stores all experts as one tensor each, those tensors:
+    ``checkpoint_part``). Under tensor parallelism either a contiguous range
+    of whole experts (``expert_parallel``) or a slice of every expert's
+    ``I``. ``act``: ``[.., 2I]`` gate|up -> ``[.., I]``."""
 
     def __init__(
         self,
         num_experts: int,
         hidden: int,
         inter: int,
-        limit: float,
+        act: Callable[[torch.Tensor], torch.Tensor],
         group: RankGroup = SINGLE,
         expert_parallel: bool = False,
     ) -> None:
         super().__init__()
-        self.group, self.full_inter, self.limit = group, inter, limit
+        self.group, self.full_inter, self.act = group, inter, act
         self.num_experts = num_experts
         self.first, local = 0, num_experts
         self.inter_start, self.inter = 0, inter
@@ -151,6 +155,18 @@ class RoutedExperts(nn.Module):
     def checkpoint_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         return self.checkpoint_layout(prefix)[0]
 
+    def checkpoint_part(self, attr: str) -> tuple[torch.Tensor, Shard | None]:
+        """All experts in one tensor per weight (``[E, 2I, d]`` gate|up,
+        ``[E, d, I]`` down): this rank's experts of it. A slice of each
+        expert's ``I`` is two ranges of gate|up, so that split is refused
+        where the model is built."""
+        assert self.inter == self.full_inter, "fused expert tensors split by experts only"
+        param = getattr(self, attr)
+        local = param.shape[0]
+        if local == self.num_experts:
+            return param.data, None
+        return param.data, Shard(0, self.first, local, self.num_experts)
+
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
@@ -173,9 +189,7 @@ class RoutedExperts(nn.Module):
         for e, c in enumerate(counts):
             if c:
                 p13, p2 = self.packed[e]
-                h = clamped_swiglu(
-                    linear(xs[start : start + c], self.w13[e], None, p13), self.limit
-                )
+                h = self.act(linear(xs[start : start + c], self.w13[e], None, p13))
                 out[start : start + c] = linear(h, self.w2[e], None, p2)
                 start += c
         out = out * weights.flatten()[order, None].to(out.dtype)
@@ -196,8 +210,9 @@ class MoE(nn.Module):
         inter = cfg.moe_intermediate_size
         self.group = group
         self.gate = Router(hidden, cfg, vocab_size, hashed)
+        act = partial(clamped_swiglu, limit=cfg.swiglu_limit)
         self.experts = RoutedExperts(
-            cfg.n_routed_experts, hidden, inter, cfg.swiglu_limit, group, expert_parallel
+            cfg.n_routed_experts, hidden, inter, act, group, expert_parallel
         )
         self.shared_experts = SharedExpert(
             hidden, inter * cfg.n_shared_experts, cfg.swiglu_limit, group

@@ -5,8 +5,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalises the last dim of ``x``; ``weight`` broadcasts against ``x``."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Normalises the last dim of ``x``; ``weight`` broadcasts against ``x``
+    (None: no weight)."""
+    if weight is None:
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), eps=eps) * weight
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)

@@ -8,7 +8,7 @@ import torch
 
 from specserve.config import RopeConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position: int) -> tuple[torch.Tensor, float]:
@@ -17,6 +17,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position: int) -> tuple[t
         raise ValueError(
             f"rope_type {rope.rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
         )
+    if rope.rope_type == "proportional":
+        return _proportional_inv_freq(rope, head_dim), 1.0
     dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     exponent = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (rope.theta**exponent)  # [dim // 2]
@@ -28,6 +30,17 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position: int) -> tuple[t
     elif rope.rope_type == "yarn":
         inv_freq, scale = _yarn_inv_freq(rope, dim, max_position)
     return inv_freq, scale
+
+
+def _proportional_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Gemma 4's global layers: the first ``partial_rotary_factor`` of each
+    half-head pair rotates, at the frequencies of the whole head (exponents
+    over ``head_dim``); the rest stays put (frequency 0). ``[head_dim // 2]``."""
+    angles = int(float(rope.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    exponent = torch.arange(0, 2 * angles, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    rotated = 1.0 / (rope.theta**exponent)
+    still = torch.zeros(head_dim // 2 - angles, device="cpu")
+    return torch.cat([rotated, still]) / float(rope.get("factor", 1.0))
 
 
 def _llama3_inv_freq(rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -117,7 +117,7 @@ def load_model(
     cls = resolve_model_class(cfg.architecture)
     kwargs: dict = {}
     if expert_parallel:
-        if cfg.deepseek_v4 is None:
+        if cfg.deepseek_v4 is None and not (cfg.gemma4 and cfg.gemma4.num_experts):
             raise ValueError(f"ep_size: {cfg.architecture} has no experts to split")
         kwargs["expert_parallel"] = True
     # Build without initialising (every parameter is overwritten by the

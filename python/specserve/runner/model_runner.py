@@ -101,8 +101,13 @@ class ModelRunner:
             expert_parallel=config.parallel.ep_size > 1,
         )
         mc = self.model_config
-        # This rank's attention heads (all of them at one rank).
+        # This rank's attention heads (all of them at one rank), and each
+        # layer's (KV heads, head dim) in the pool.
         self.heads = HeadSplit.of(mc.num_attention_heads, mc.num_key_value_heads, group)
+        self.kv_shapes = [
+            (HeadSplit.of(mc.num_attention_heads, kv, group).kv_count, d)
+            for kv, d in mc.kv_layers()
+        ]
         if self.device.type == "cpu":
             logger.info("CPU linears: %s", cpu_matmul_path(self.dtype))
         if config.enable_torch_compile:
@@ -136,6 +141,7 @@ class ModelRunner:
                 self.heads.kv_count,
                 mc.head_dim,
                 self.dtype,
+                self.kv_shapes,
             )
         ]
         self.capacity_tokens = self.num_pages * self.page_size
@@ -149,9 +155,14 @@ class ModelRunner:
             mc.head_dim,
             self.dtype,
             self.device,
+            self.kv_shapes,
         )
         self.attn_backend: AttentionBackend = make_attention_backend(
-            self.config.attention_backend, self.kv_pool, self.heads.q_count, self.device
+            self.config.attention_backend,
+            self.kv_pool,
+            self.heads.q_count,
+            self.device,
+            getattr(self.model, "attention_layers", ()),
         )
 
     def graphs_apply(self) -> bool:
@@ -230,7 +241,12 @@ class ModelRunner:
             return cache.max_total_tokens // self.page_size
         mc = self.model_config
         per_page = extra_bytes_per_page + KVPool.bytes_per_page(
-            mc.num_hidden_layers, self.page_size, self.heads.kv_count, mc.head_dim, self.dtype
+            mc.num_hidden_layers,
+            self.page_size,
+            self.heads.kv_count,
+            mc.head_dim,
+            self.dtype,
+            self.kv_shapes,
         )
         budget = self._kv_budget(reserve_bytes)
         if self.device.type != "cuda":
@@ -421,7 +437,7 @@ def activation_bytes(config: EngineConfig, mc: ModelConfig, context_length: int)
         sched.max_running_requests * chain,
     )
     elem = config.torch_dtype.itemsize
-    qkv = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
+    qkv = max((mc.num_attention_heads + 2 * kv) * d for kv, d in mc.kv_layers())
     per_token = elem * (6 * mc.hidden_size + 3 * mc.intermediate_size + 2 * qkv)
     logits = 4 * 4 * mc.vocab_size  # float32: logits, processed, probabilities, scoring
     attention = 0

@@ -2,7 +2,7 @@
 
 No model can be downloaded on a fresh machine, so examples and tests build
 their own: a byte-level BPE tokenizer trained on Python's own documentation
-(``pydoc_data.topics``) and a Qwen3, Llama or DeepSeek-V4 checkpoint with
+(``pydoc_data.topics``) and a Qwen3, Llama, DeepSeek-V4 or Gemma 4 checkpoint with
 random weights from a fixed seed, written by transformers' ``save_pretrained``
 so that the checkpoint is exactly what an HF user would have on disk.
 """
@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
-ARCHS = ("qwen3", "llama", "deepseek_v4")
+ARCHS = ("qwen3", "llama", "deepseek_v4", "gemma4", "gemma4_moe", "gemma4_multimodal")
 V4_ATTENTION = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
 CHATML_TEMPLATE = (
@@ -127,14 +127,22 @@ def make_tiny_model(
         config = LlamaConfig(**common)
     elif arch == "deepseek_v4":
         config = _deepseek_v4_config(common)
+    elif arch.startswith("gemma4"):
+        config = _gemma4_config(common, arch)
     else:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Norm weights start at 1 in HF; perturb them so a loader that skips them fails tests.
+    if arch == "gemma4_multimodal":
+        from transformers import Gemma4ForConditionalGeneration
+
+        model = Gemma4ForConditionalGeneration(config).float()
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Norm weights and scales start at 1 in HF; perturb them so a loader that
+    # skips them fails tests.
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name or name.endswith(("layer_scalar", "router.scale", "expert_scale")):
                 p.add_(torch.randn_like(p) * 0.1)
             elif name.endswith("sinks"):  # attention sinks start at 0
                 p.copy_(torch.randn_like(p))
@@ -186,6 +194,45 @@ def _deepseek_v4_config(common: dict[str, Any]) -> Any:
         eos_token_id=common["eos_token_id"],
         pad_token_id=common["pad_token_id"],
     )
+
+
+def _gemma4_config(common: dict[str, Any], arch: str) -> Any:
+    """A tiny Gemma 4: sliding (window 8) and global layers in turn, the
+    global ones with twice the head size and, but in the MoE variant, one
+    KV head whose keys serve as values; soft-capped logits. ``gemma4_moe``
+    adds routed experts beside every MLP; ``gemma4_multimodal`` wraps the
+    text model with a tiny vision tower, as the -it releases ship."""
+    from transformers import Gemma4Config, Gemma4TextConfig
+
+    n = common["num_hidden_layers"]
+    moe = arch == "gemma4_moe"
+    text = Gemma4TextConfig(
+        **{k: v for k, v in common.items() if k != "rope_theta"},
+        hidden_activation="gelu_pytorch_tanh",
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+        sliding_window=8,
+        global_head_dim=2 * common["head_dim"],
+        num_global_key_value_heads=1,
+        attention_k_eq_v=not moe,
+        final_logit_softcapping=30.0,
+        hidden_size_per_layer_input=0,
+        enable_moe_block=moe,
+        num_experts=4 if moe else None,
+        top_k_experts=2 if moe else None,
+        moe_intermediate_size=common["intermediate_size"] // 2 if moe else None,
+    )
+    if arch != "gemma4_multimodal":
+        return text
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4VisionConfig
+
+    vision = Gemma4VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    return Gemma4Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None,
+        tie_word_embeddings=common["tie_word_embeddings"],
+    )  # fmt: skip
 
 
 def _random_hash_routes(model: Any, config: Any) -> None:
