@@ -1,9 +1,10 @@
 """The paged-attention kernel (under TRITON_INTERPRET=1 without CUDA) against
 its torch reference, and the reference against the SDPA backend: decode rows,
 verify chains over a cached prefix, prefill chunks (several tiles), fresh
-prefills; GQA and MHA; page sizes 1, 4 and 16; float32 and bf16; and
-non-causal batches (the DSpark drafter's blocks), whose reference is written
-out here as a dense softmax over every key."""
+prefills; GQA and MHA; page sizes 1, 4 and 16; float32 and bf16;
+non-causal batches (the DSpark drafter's blocks) and sliding windows at a
+layer's own scale (Gemma 4), whose references are written out here as a
+dense softmax."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from specserve.kernels.paged_attention import (
     paged_attention_triton,
     plan_layout,
 )
-from specserve.layers.attention import AttentionMetadata, TorchAttentionBackend
+from specserve.layers.attention import AttentionMetadata, LayerAttention, TorchAttentionBackend
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
@@ -143,6 +144,70 @@ def test_non_causal_blocks_on_every_path(dtype) -> None:
     # The causal kernel differs on these shapes: the flag is honoured.
     causal = paged_attention_ref(q, pool.k[0], pool.v[0], q_lens, kv_lens, tables, 4)
     assert (causal.float() - want).abs().max() > 0.1
+
+
+def dense_window_attention(q, k_cache, v_cache, q_lens, kv_lens, tables, ps, window, scale):
+    """Causal attention to the last ``window`` positions of each query, at
+    ``scale``, as a dense float32 softmax written out here."""
+    h, hkv = q.shape[1], k_cache.shape[1]
+    out, row = [], 0
+    for q_len, kv_len, table in zip(q_lens, kv_lens, tables):
+        slots = [table[p // ps] * ps + p % ps for p in range(kv_len)]
+        k = k_cache[slots].float().repeat_interleave(h // hkv, dim=1)  # [L, H, D]
+        v = v_cache[slots].float().repeat_interleave(h // hkv, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[row : row + q_len].float(), k) * scale
+        qpos = torch.arange(kv_len - q_len, kv_len)[:, None]
+        key = torch.arange(kv_len)[None, :]
+        scores[:, (key > qpos) | (key <= qpos - window)] = float("-inf")
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        row += q_len
+    return torch.cat(out)
+
+
+# Every path past a window of 6: decode rows, chains, chunks, a fresh prefill
+# longer than the window, and a batch of one (the lone plan).
+WINDOWED = {
+    "mixed": [(9, 1), (2, 1), (6, 5), (5, 20), (0, 13), (3, 2)],
+    "lone-decode": [(14, 1)],
+    "lone-chain": [(11, 4)],
+    "lone-prefill": [(0, 15)],
+}
+
+
+@pytest.mark.parametrize("batch", list(WINDOWED))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_sliding_window_and_scale_on_every_path(dtype, batch) -> None:
+    """Gemma 4's sliding layers: a query sees the last ``window`` positions,
+    its own included, at the layer's scale; a full layer of the same
+    backend, in the same forward, still sees everything."""
+    shapes, window, scale = WINDOWED[batch], 6, 0.5
+    pool, tables, q, k, v, slots, positions = make_batch(shapes, 4, 2, 16, 4, dtype, 3)
+    pool.k.append(pool.k[0].clone())  # layer 1: full attention, default scale
+    pool.v.append(pool.v[0].clone())
+    q_lens = [n for _, n in shapes]
+    kv_lens = [p + n for p, n in shapes]
+    specs = [LayerAttention(window=window, scale=scale), LayerAttention()]
+    meta = AttentionMetadata(torch.tensor(positions), slots, q_lens, kv_lens, tables, 4)
+    backend = TorchAttentionBackend(pool, specs)
+    backend.prepare(meta)
+    sdpa = backend.forward(0, q, k, v, meta)
+    full = backend.forward(1, q, k, v, meta)
+    want = dense_window_attention(
+        q, pool.k[0], pool.v[0], q_lens, kv_lens, tables, 4, window, scale
+    )
+    ref = paged_attention_ref(
+        q, pool.k[0], pool.v[0], q_lens, kv_lens, tables, 4, scale=scale, window=window
+    )
+    layout = plan_layout(q_lens, kv_lens, tables, 4, q.device, group=2)
+    got = paged_attention_triton(
+        q, pool.k[0], pool.v[0], layout, scale=scale, block_n=16, window=window
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for out in (sdpa, ref, got):
+        torch.testing.assert_close(out.float(), want, atol=tol, rtol=0)
+    unwindowed = paged_attention_ref(q, pool.k[1], pool.v[1], q_lens, kv_lens, tables, 4)
+    torch.testing.assert_close(full.float(), unwindowed.float(), atol=tol, rtol=0)
+    assert (full.float() - want).abs().max() > 0.1  # the window and scale are honoured
 
 
 @pytest.mark.gpu

@@ -95,6 +95,12 @@ HOSTILE = [
         "messages",
     ),
     ("/v1/chat/completions", {"messages": [{"role": 1}]}, 400, "messages"),
+    (  # a text-only server (a Gemma 4 -it checkpoint's language model) and an image
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "messages",
+    ),
     (
         "/v1/completions",
         {"prompt": "x", "response_format": {"type": "yaml"}},

@@ -80,7 +80,8 @@ class CompletionRequest(SamplingFields):
 
 
 class ContentPart(StrictModel):
-    type: str
+    # Text only: an image or audio part is refused, never silently dropped.
+    type: Literal["text"] = Field(description="'text' (images and audio are not served)")
     text: str | None = None
 
 
