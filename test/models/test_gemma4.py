@@ -39,7 +39,9 @@ def references(paths) -> dict:
 
     out = {}
     for arch, path in paths.items():
-        cls = Gemma4ForConditionalGeneration if arch == "gemma4_multimodal" else AutoModelForCausalLM
+        cls = (
+            Gemma4ForConditionalGeneration if arch == "gemma4_multimodal" else AutoModelForCausalLM
+        )
         out[arch] = cls.from_pretrained(path, dtype=torch.float32).eval()
     return out
 
