@@ -314,10 +314,11 @@ def record_drafts(eng) -> list[list[list[int]]]:
     return rounds
 
 
-def proposer_for(path: str, **kw) -> tuple[DSparkProposer, ModelRunner]:
-    """The DSpark proposer of the tiny Qwen3 target with the drafter at ``path``."""
+def proposer_for(path: str, target: str | None = None, **kw) -> tuple[DSparkProposer, ModelRunner]:
+    """The DSpark proposer of the target at ``target`` (by default the tiny
+    Qwen3) with the drafter at ``path``."""
     cfg = EngineConfig.from_kwargs(
-        model_path("qwen3"),
+        target or model_path("qwen3"),
         device="cpu",
         max_total_tokens=512,
         page_size=4,
@@ -332,6 +333,51 @@ def proposer_for(path: str, **kw) -> tuple[DSparkProposer, ModelRunner]:
 def features(n: int, width: int, seed: int) -> torch.Tensor:
     """Random context features ``[n, width]``."""
     return torch.randn(n, width, generator=torch.Generator().manual_seed(seed))
+
+
+def draft_rounds(path: str, **kw) -> list:
+    """Three rounds of drafts, their q and confidences for two sampled
+    requests (seeded) and a greedy one, fed the same context features
+    (``kw``: ``proposer_for``'s; ``token_map`` True with ``map_path``)."""
+    from specserve.sampling.params import SamplingParams
+
+    flags = {"speculative_dspark_block_size": 4}
+    if kw.pop("token_map", None):
+        flags["speculative_token_map"] = kw.pop("map_path")
+    prop, _ = proposer_for(path, **flags, **kw)
+    width = prop.model.fc.in_features
+    reqs = [
+        Req("a", [5] * 7, SamplingParams(temperature=1.0, seed=11)),
+        Req("b", [6] * 3, SamplingParams(temperature=0.8, seed=12)),
+        Req("c", [7] * 5, SamplingParams(temperature=0.0)),
+    ]
+    for i, r in enumerate(reqs):
+        prop.on_target_features(r, 0, features(r.prompt_len, width, i))
+        r.output_ids = [40 + i]
+    out = []
+    for rnd in range(3):
+        for r in reqs:
+            r.generator = torch.Generator().manual_seed(100 + rnd)
+        got = prop.propose(reqs, [4, 4, 4])
+        out.append((got.tokens, got.q, got.confidence))
+        for i, r in enumerate(reqs):
+            start = r.seq_len - 1
+            prop.on_target_features(r, start, features(2, width, 10 * rnd + i))
+            r.output_ids += [50 + rnd, 51 + rnd]
+    for r in reqs:
+        prop.release(r)
+    return out
+
+
+def assert_same_rounds(want: list, got: list) -> None:
+    """``draft_rounds`` of two drafters: the same drafts, q (exactly) and confidences."""
+    for (wt, wq, wc), (gt, gq, gc) in zip(want, got):
+        assert gt == wt
+        for a, b in zip(wq, gq):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(b, a, atol=0, rtol=0)
+        assert gc == wc
 
 
 def assert_rounds_match_scratch(prop: DSparkProposer, model, lead: int = 0) -> None:

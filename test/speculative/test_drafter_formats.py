@@ -11,10 +11,14 @@ import pytest
 import torch
 
 from models_zoo import model_path, random_prompts
-from spec_helpers import SMALL_SCHEMA, assert_rounds_match_scratch, features, proposer_for
+from spec_helpers import (
+    SMALL_SCHEMA,
+    assert_rounds_match_scratch,
+    assert_same_rounds,
+    draft_rounds,
+    proposer_for,
+)
 from specserve import Engine
-from specserve.core import Req
-from specserve.sampling.params import SamplingParams
 from specserve.speculative.drafter_formats import detect_format, read_drafter
 from specserve.tools.drafter_layouts import write_deepspec, write_speculators, write_torchspec
 from specserve.tools.tiny_model import make_tiny_dspark
@@ -103,37 +107,6 @@ def test_each_format_is_read_into_the_internal_config(layouts) -> None:
     assert any("sample_from_anchor true (from speculative_tokens 4)" in c for c in unsaid.choices)
 
 
-def _rounds(path: str, **kw) -> list:
-    """Three rounds of drafts, their q and confidences for two sampled
-    requests (seeded) and a greedy one, fed the same context features."""
-    flags = {"speculative_dspark_block_size": 4}
-    if kw.pop("token_map", None):
-        flags["speculative_token_map"] = kw.pop("map_path")
-    prop, _ = proposer_for(path, **flags, **kw)
-    width = prop.model.fc.in_features
-    reqs = [
-        Req("a", [5] * 7, SamplingParams(temperature=1.0, seed=11)),
-        Req("b", [6] * 3, SamplingParams(temperature=0.8, seed=12)),
-        Req("c", [7] * 5, SamplingParams(temperature=0.0)),
-    ]
-    for i, r in enumerate(reqs):
-        prop.on_target_features(r, 0, features(r.prompt_len, width, i))
-        r.output_ids = [40 + i]
-    out = []
-    for rnd in range(3):
-        for r in reqs:
-            r.generator = torch.Generator().manual_seed(100 + rnd)
-        got = prop.propose(reqs, [4, 4, 4])
-        out.append((got.tokens, got.q, got.confidence))
-        for i, r in enumerate(reqs):
-            start = r.seq_len - 1
-            prop.on_target_features(r, start, features(2, width, 10 * rnd + i))
-            r.output_ids += [50 + rnd, 51 + rnd]
-    for r in reqs:
-        prop.release(r)
-    return out
-
-
 @pytest.mark.parametrize("name", list(SAME_AS))
 def test_every_layout_drafts_what_deepspecs_drafts(layouts, name) -> None:
     """The strongest oracle: the same weights, another layout, the same
@@ -142,21 +115,15 @@ def test_every_layout_drafts_what_deepspecs_drafts(layouts, name) -> None:
     base, kw = SAME_AS[name]
     if kw:
         kw = {**kw, "map_path": layouts["map"]}
-    want = _rounds(layouts[base], **dict(kw))
-    got = _rounds(layouts[name])
-    for (wt, wq, wc), (gt, gq, gc) in zip(want, got):
-        assert gt == wt
-        for a, b in zip(wq, gq):
-            assert (a is None) == (b is None)
-            if a is not None:
-                torch.testing.assert_close(b, a, atol=0, rtol=0)
-        assert gc == wc
+    assert_same_rounds(draft_rounds(layouts[base], **dict(kw)), draft_rounds(layouts[name]))
 
 
 def test_a_reduced_vocabulary_drafts_its_tokens_alone(layouts) -> None:
     prop, _ = proposer_for(layouts["speculators-reduced"], speculative_dspark_block_size=4)
     assert torch.equal(prop.model.hot_ids, DRAFT_IDS.sort().values)
-    tokens = [t for rnd in _rounds(layouts["speculators-reduced"]) for row in rnd[0] for t in row]
+    tokens = [
+        t for rnd in draft_rounds(layouts["speculators-reduced"]) for row in rnd[0] for t in row
+    ]
     assert set(tokens) <= set(DRAFT_IDS.tolist())
 
 

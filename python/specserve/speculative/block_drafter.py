@@ -144,6 +144,7 @@ class BlockDrafter(nn.Module):
         with torch.device("meta"):
             head = LogitsHead(full.in_features, rows.numel())
         head.weight = nn.Parameter(full.weight.detach()[rows], requires_grad=False)
+        head.softcap = full.softcap
         head.post_load()
         self.hot_head = head
         if self.markov_head is not None:

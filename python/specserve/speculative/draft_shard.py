@@ -49,7 +49,7 @@ from specserve.sampling.vocab_parallel import gather_columns, vocab_parallel_arg
 from specserve.speculative.block_drafter import BlockDrafter
 from specserve.speculative.block_graphs import BlockInputs, eager_block, window_attend
 from specserve.speculative.drafter_loader import LoadedDrafter, draft_heads
-from specserve.speculative.dspark_model import DSparkConfig
+from specserve.speculative.dspark_config import DSparkConfig
 
 
 @dataclass(frozen=True)
@@ -258,7 +258,9 @@ def attach_draft_shard(
     model, backend = loaded.model, None
     if isinstance(loaded.config, DSparkConfig):  # (a windowed drafter attends on its own)
         heads = draft_heads(loaded.config, runner.group).q_count
-        backend = make_attention_backend(config.attention_backend, kv_pool, heads, runner.device)
+        backend = make_attention_backend(
+            config.attention_backend, kv_pool, heads, runner.device, model.attention_layers
+        )
     shard = DraftShard(model, loaded.block_size, kv_pool, runner.page_size, backend, runner.plans)
     runner.draft_shard = shard
     return shard

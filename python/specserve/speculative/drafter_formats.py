@@ -2,7 +2,8 @@
 internal ``DSparkConfig`` (DeepSpec's fields and slot layout) and the names
 of the checkpoint's tensors in the internal model:
 
-- ``deepspec``: DeepSpec's own (``Qwen3DSparkModel``), the internal layout.
+- ``deepspec``: DeepSpec's own (``Qwen3DSparkModel``, ``Gemma4DSparkModel``),
+  the internal layout.
 - ``torchspec``: TorchSpec's exports. Its module names before its converter
   renames them (``context_proj``, ``context_norm``, ``final_norm``); no
   ``lm_head`` (the target's is shared) and no ``block_size`` (a training
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.speculative.dspark_model import ARCHITECTURE, DSparkConfig
+from specserve.speculative.dspark_config import ARCHITECTURE, GEMMA4_ARCHITECTURE, DSparkConfig
 
 FORMATS = ("deepspec", "torchspec", "speculators")
 # TorchSpec's module names -> DeepSpec's (its converter applies the same).
@@ -172,10 +173,12 @@ def _read_speculators(cfg: dict[str, Any], source: str) -> DrafterCheckpoint:
         choices.append(f"sample_from_anchor {str(anchor).lower()} (from {how})")
     vocab = int(backbone.get("vocab_size") or cfg.get("vocab_size") or 0)
     draft_vocab = int(cfg.get("draft_vocab_size") or vocab)
+    gemma4 = str(backbone.get("model_type", "")).startswith("gemma4")
     norm = {
         **backbone,
         **{k: cfg[k] for k in _SPECULATORS_FIELDS if k in cfg},
-        "architectures": [ARCHITECTURE],
+        # A Gemma 4 backbone is Gemma 4's drafter layers (DeepSpec's Gemma4DSparkModel).
+        "architectures": [GEMMA4_ARCHITECTURE if gemma4 else ARCHITECTURE],
         "vocab_size": vocab,
         # Hidden state a is the output of layer a - 1 (0: the embeddings).
         "target_layer_ids": [int(a) - 1 for a in cfg["aux_hidden_state_layer_ids"]],

@@ -27,7 +27,8 @@ from specserve.models.loader import (
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.block_drafter import BlockDrafter
 from specserve.speculative.drafter_formats import DrafterCheckpoint, read_drafter
-from specserve.speculative.dspark_model import DSparkConfig, DSparkDraftModel
+from specserve.speculative.dspark_config import DSparkConfig
+from specserve.speculative.dspark_model import DSparkDraftModel
 from specserve.speculative.dspark_v4_model import DSparkV4Config, DSparkV4DraftModel
 
 logger = logging.getLogger(__name__)

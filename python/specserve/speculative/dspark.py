@@ -103,7 +103,9 @@ class DSparkProposer(Proposer):
         self.attn_backend = shard.backend if shard is not None else None
         if model.window is None and shard is None:  # a windowed drafter attends on its own
             heads = model.config.num_attention_heads
-            self.attn_backend = make_attention_backend(attention_backend, kv_pool, heads, device)
+            self.attn_backend = make_attention_backend(
+                attention_backend, kv_pool, heads, device, model.attention_layers
+            )
         if shard is not None:
             self.context_pages = self._context_pages
         self.threshold = threshold

@@ -8,22 +8,22 @@ positions). A block ``[anchor, mask x (gamma - 1)]`` at positions
 positions ``< p`` and to the whole block. Slot ``k`` predicts the token at
 ``p + k + 1``; the Markov head adds a correction that depends on the token
 before it, which makes drafting left to right; the confidence head scores
-each draft.
+each draft. Gemma 4's drafter (``DSparkConfig.gemma4``) differs in its
+layers as ``dspark_config.py`` says.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.config import ModelConfig, RopeConfig, parse_rope
 from specserve.distributed import SINGLE, RankGroup
-from specserve.layers.activation import gated_act
+from specserve.layers.activation import gated_act, get_activation
+from specserve.layers.attention import LayerAttention
 from specserve.layers.linear import FusedLinears, Linear, LogitsHead, k_major_
 from specserve.layers.norm import RMSNorm, rms_norm
 from specserve.layers.parallel import (
@@ -35,91 +35,7 @@ from specserve.layers.parallel import (
 )
 from specserve.layers.rotary import RotaryEmbedding
 from specserve.speculative.block_drafter import BlockDrafter, ConfidenceHead, MarkovHead
-
-ARCHITECTURE = "Qwen3DSparkModel"
-MARKOV_TYPES = ("vanilla", "gated", "rnn")
-
-
-@dataclass(frozen=True)
-class DSparkConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    vocab_size: int
-    max_position_embeddings: int
-    rope: RopeConfig
-    block_size: int
-    mask_token_id: int
-    target_layer_ids: tuple[int, ...]
-    num_target_layers: int | None  # the target's depth (None: the checkpoint does not say)
-    markov_rank: int = 0
-    markov_head_type: str = "vanilla"
-    enable_confidence_head: bool = False
-    confidence_head_with_markov: bool = False
-    attention_bias: bool = False
-    # A drafter with its own reduced vocabulary: its head's and its Markov
-    # head's W2's rows (draft id i is target id i + d2t[i]); None: the target's.
-    draft_vocab_size: int | None = None
-    # The slot layout: True, DeepSpec's (slot k predicts anchor + k + 1,
-    # block_size drafts); False, the 1 + N layout (slot 0 the anchor's bonus
-    # token, slot k predicts anchor + k: a block of block_size + 1 positions).
-    sample_from_anchor: bool = True
-
-    @property
-    def drafting_vocab(self) -> int:
-        """The rows of the drafter's head: the draft vocabulary, or the target's."""
-        return self.draft_vocab_size or self.vocab_size
-
-    @classmethod
-    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> DSparkConfig:
-        """DeepSpec's config.json (the other formats' readers, in
-        drafter_formats.py, write theirs in its fields)."""
-        archs = cfg.get("architectures") or []
-        if ARCHITECTURE not in archs:
-            raise ValueError(f"{source}: architectures must contain {ARCHITECTURE!r}, got {archs}")
-        for key in ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers"):
-            if key not in cfg:
-                raise ValueError(f"{source}: missing DSpark field {key!r}")
-        base = ModelConfig.from_dict({**cfg, "architectures": ["Qwen3ForCausalLM"]}, source)
-        rank = int(cfg.get("markov_rank", 0) or 0)
-        kind = str(cfg.get("markov_head_type", "vanilla") or "vanilla")
-        if rank and kind not in MARKOV_TYPES:
-            raise ValueError(
-                f"{source}: markov_head_type must be one of {MARKOV_TYPES}, got {kind!r}"
-            )
-        with_markov = bool(cfg.get("confidence_head_with_markov", False)) and rank > 0
-        layers, draft_vocab = cfg["num_target_layers"], cfg.get("draft_vocab_size")
-        if draft_vocab is not None and not 0 < int(draft_vocab) < base.vocab_size:
-            raise ValueError(
-                f"{source}: draft_vocab_size {draft_vocab} must be in [1, {base.vocab_size})"
-            )
-        return cls(
-            hidden_size=base.hidden_size,
-            intermediate_size=base.intermediate_size,
-            num_hidden_layers=base.num_hidden_layers,
-            num_attention_heads=base.num_attention_heads,
-            num_key_value_heads=base.num_key_value_heads,
-            head_dim=base.head_dim,
-            rms_norm_eps=base.rms_norm_eps,
-            vocab_size=base.vocab_size,
-            max_position_embeddings=base.max_position_embeddings,
-            rope=parse_rope(cfg),
-            block_size=int(cfg["block_size"]),
-            mask_token_id=int(cfg["mask_token_id"]),
-            target_layer_ids=tuple(int(i) for i in cfg["target_layer_ids"]),
-            num_target_layers=None if layers is None else int(layers),
-            markov_rank=rank,
-            markov_head_type=kind,
-            enable_confidence_head=bool(cfg.get("enable_confidence_head", False)),
-            confidence_head_with_markov=with_markov,
-            attention_bias=base.attention_bias,
-            draft_vocab_size=None if draft_vocab is None else int(draft_vocab),
-            sample_from_anchor=bool(cfg.get("sample_from_anchor", True)),
-        )
+from specserve.speculative.dspark_config import DSparkConfig
 
 
 class DraftAttention(nn.Module):
@@ -136,14 +52,20 @@ class DraftAttention(nn.Module):
         q_rows, kv_rows = (heads.q_start * dim, h * dim), (heads.kv_start * dim, kv * dim)
         self.q_proj = ColumnParallelLinear(d, q_full, group, "heads", q_rows, bias)
         self.k_proj = ColumnParallelLinear(d, kv_full, group, "KV heads", kv_rows, bias)
-        self.v_proj = ColumnParallelLinear(d, kv_full, group, "KV heads", kv_rows, bias)
+        projections = [self.q_proj, self.k_proj]
+        # Gemma 4: values normed without a weight, and with ``keys_are_values``
+        # taken from the key projection (before its norm and RoPE).
+        self.keys_are_values, self.norm_values = cfg.keys_are_values, cfg.gemma4
+        if not self.keys_are_values:
+            self.v_proj = ColumnParallelLinear(d, kv_full, group, "KV heads", kv_rows, bias)
+            projections.append(self.v_proj)
         self.o_proj = RowParallelLinear(
             q_full, d, bias, group, "the drafter's num_attention_heads x head_dim"
         )
         self.q_norm = RMSNorm(dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(dim, cfg.rms_norm_eps)
         # One matmul for q|k|v of the block (k|v of the context: its last rows).
-        self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = FusedLinears(*projections)
         self._qk_norm: torch.Tensor | None = None  # [H + Hkv, D], set by post_load
 
     def post_load(self) -> None:
@@ -159,15 +81,22 @@ class DraftAttention(nn.Module):
         q = self.q_norm.weight.expand(self.num_heads, -1)
         return torch.cat([q, self.k_norm.weight.expand(self.num_kv_heads, -1)])
 
+    def values(self, kv: torch.Tensor) -> torch.Tensor:
+        """The values ``[N, Hkv, D]`` of projected key (and value) heads
+        ``[N, Hkv (+ Hkv), D]``."""
+        hkv = self.num_kv_heads
+        v = kv[:, :hkv] if self.keys_are_values else kv[:, hkv:]
+        return rms_norm(v, None, self.eps) if self.norm_values else v
+
     def kv(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: RotaryEmbedding
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed, rotated) and values ``[n, Hkv, D]`` of ``x [n, d]``."""
         q_size = self.num_heads * self.head_dim
-        kv = self.qkv(x, slice(q_size, None)).view(x.shape[0], 2 * self.num_kv_heads, self.head_dim)
-        k, v = kv.split(self.num_kv_heads, dim=-2)
-        k = rms_norm(k, self._qk_norm_weight()[self.num_heads :], self.eps)
-        return rotary.rotate(k, rope), v
+        kv_heads = self.num_kv_heads * (1 if self.keys_are_values else 2)
+        kv = self.qkv(x, slice(q_size, None)).view(x.shape[0], kv_heads, self.head_dim)
+        k = rms_norm(kv[:, : self.num_kv_heads], self._qk_norm_weight()[self.num_heads :], self.eps)
+        return rotary.rotate(k, rope), self.values(kv)
 
     def forward(
         self,
@@ -187,7 +116,7 @@ class DraftAttention(nn.Module):
         n_qk = self.num_heads + self.num_kv_heads
         heads = self.qkv(rows).view(n + r * g, -1, self.head_dim)  # [N, H + 2 * Hkv, D]
         qk = rotary.rotate(rms_norm(heads[:, :n_qk], self._qk_norm_weight(), self.eps), rope)
-        v = heads[:, n_qk:]
+        v = self.values(heads[:, self.num_heads :])
         if context is not None:
             context.store(layer, qk[:n, self.num_heads :], v[:n])
         q, k = (
@@ -219,6 +148,7 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 def dense_attend(
     ctx: list[tuple[torch.Tensor, torch.Tensor]],  # per layer [R, L, Hkv, D]
     ctx_bias: torch.Tensor,  # [R, L]: 0 for a real context position, -inf for padding
+    scale: float | None = None,  # None: 1 / sqrt(D)
 ) -> Attend:
     """Attention over dense context K/V (training, and the test oracle; serving
     reads the draft pool through the paged attention backends)."""
@@ -235,6 +165,7 @@ def dense_attend(
             v,
             attn_mask=bias.to(q.dtype),
             enable_gqa=q.shape[2] != k.shape[1],
+            scale=scale,
         )  # [R, H, G, D]
         return o.transpose(1, 2)
 
@@ -244,10 +175,25 @@ def dense_attend(
 class DraftLayer(nn.Module):
     def __init__(self, cfg: DSparkConfig, group: RankGroup = SINGLE) -> None:
         super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = DraftAttention(cfg, group)
         self.mlp = DraftMLP(cfg, group)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.sandwich = cfg.gemma4
+        if self.sandwich:  # Gemma 4: norms on each sublayer's output too, and a scalar
+            self.pre_feedforward_layernorm = RMSNorm(d, eps)
+            self.post_feedforward_layernorm = RMSNorm(d, eps)
+            self.layer_scalar = nn.Parameter(torch.ones(1))
+
+    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual stream after attention's output ``attn`` and the MLP."""
+        if not self.sandwich:  # (post_attention_layernorm: the MLP's input norm)
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attn)
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x * self.layer_scalar
 
 
 class DraftMLP(nn.Module):
@@ -258,9 +204,10 @@ class DraftMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(d, inter, group, what)
         self.down_proj = RowParallelLinear(inter, d, False, group, what)
         self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
+        self.act = get_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(gated_act(self.gate_up(x), F.silu))
+        return self.down_proj.forward(gated_act(self.gate_up(x), self.act))
 
 
 class DSparkDraftModel(BlockDrafter):
@@ -280,6 +227,7 @@ class DSparkDraftModel(BlockDrafter):
         d = cfg.hidden_size
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, d, group)
         self.lm_head = VocabParallelHead(d, cfg.vocab_size, group)
+        self.lm_head.softcap = cfg.logit_softcap
         self.fc = Linear(len(cfg.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DraftLayer(cfg, group) for _ in range(cfg.num_hidden_layers)])
@@ -291,6 +239,7 @@ class DSparkDraftModel(BlockDrafter):
         if cfg.draft_vocab_size is not None:  # its own head over its reduced vocabulary
             assert group.size == 1, "a reduced-vocabulary drafter drafts on one rank"
             self.draft_head = LogitsHead(d, cfg.draft_vocab_size)
+            self.draft_head.softcap = cfg.logit_softcap
             # Draft id i is target id i + d2t[i] (the speculators format's offsets).
             self.d2t = nn.Parameter(
                 torch.empty(cfg.draft_vocab_size, dtype=torch.long), requires_grad=False
@@ -315,6 +264,11 @@ class DSparkDraftModel(BlockDrafter):
     @property
     def feature_weight(self) -> torch.Tensor:
         return self.fc.weight
+
+    @property
+    def attention_layers(self) -> tuple[LayerAttention, ...]:
+        """Each draft layer's attention, for the backends that read its pool."""
+        return (LayerAttention(scale=self.config.attention_scale),) * len(self.layers)
 
     @property
     def vocab_head(self) -> LogitsHead:
@@ -392,14 +346,15 @@ class DSparkDraftModel(BlockDrafter):
         ids[:, 0] = anchors
         positions = starts[:, None] + torch.arange(block_size, device=anchors.device)  # [R, G]
         x = self.embed_tokens(ids)
+        if self.config.gemma4:  # sqrt(hidden) in the weights' dtype, as Gemma rounds it
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         flat = positions.reshape(-1)
         if context is not None:
             flat = torch.cat([context.positions, flat])
         rope = self.rotary.at(flat, x.dtype)  # one lookup for every layer
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
-            x = x + layer.self_attn(h, rope, i, attend, self.rotary, context)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer.after_attention(x, layer.self_attn(h, rope, i, attend, self.rotary, context))
         return self.norm(x)
 
     # ---- training -----------------------------------------------------------
@@ -433,7 +388,7 @@ class DSparkDraftModel(BlockDrafter):
         bias = torch.zeros(past.shape, device=past.device).masked_fill(past, float("-inf"))
         tokens = input_ids.gather(1, anchors)  # [B, A]
         hidden = self.block_hidden(
-            tokens.flatten(), anchors.flatten(), dense_attend(ctx, bias.view(b * a, t)), block_size
+            tokens.flatten(), anchors.flatten(), dense_attend(ctx, bias.view(b * a, t), self.config.attention_scale), block_size
         )
         return hidden.view(b, a, block_size, -1)
 
@@ -449,4 +404,4 @@ class DSparkDraftModel(BlockDrafter):
         bias = features.new_zeros(1, p)
         anchors = torch.tensor([anchor], device=features.device)
         starts = torch.tensor([p], device=features.device)
-        return self.block_hidden(anchors, starts, dense_attend(ctx, bias), block_size)[0]
+        return self.block_hidden(anchors, starts, dense_attend(ctx, bias, self.config.attention_scale), block_size)[0]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from specserve.config import ModelConfig
 
 if TYPE_CHECKING:
-    from specserve.speculative.dspark_model import DSparkConfig
+    from specserve.speculative.dspark_config import DSparkConfig
 
 PROMPTS = (
     "def fibonacci(n):",

@@ -27,6 +27,14 @@ _BACKBONE = (
     "vocab_size",
     "max_position_embeddings",
     "rope_theta",
+    # Gemma 4's drafter layers.
+    "global_head_dim",
+    "num_global_key_value_heads",
+    "attention_k_eq_v",
+    "hidden_activation",
+    "final_logit_softcapping",
+    "hidden_size_per_layer_input",
+    "rope_parameters",
 )
 _HEADS = (
     "markov_rank",
@@ -130,7 +138,8 @@ def write_speculators(
     older than it did. ``dtype``: the weights' (bf16, as the releases)."""
     cfg, state = _read(src)
     backbone = {k: cfg[k] for k in _BACKBONE if k in cfg}
-    backbone.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    target = "Gemma4ForCausalLM" if cfg.get("model_type") == "gemma4_text" else "Qwen3ForCausalLM"
+    backbone.update(architectures=[target], model_type=cfg.get("model_type", "qwen3"))
     block = cfg["block_size"]
     vocab = cfg["vocab_size"]
     out = {
@@ -154,7 +163,7 @@ def write_speculators(
                 }
             ],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": ["Qwen3ForCausalLM"]},
+            "verifier": {"name_or_path": verifier, "architectures": [target]},
         },
         "torch_dtype": cfg.get("dtype", "float32"),
     }

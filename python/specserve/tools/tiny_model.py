@@ -269,7 +269,8 @@ def make_tiny_dspark(
     from safetensors.torch import load_file, save_file
 
     from specserve.config import ModelConfig
-    from specserve.speculative.dspark_model import ARCHITECTURE, DSparkConfig, DSparkDraftModel
+    from specserve.speculative.dspark_config import ARCHITECTURE, GEMMA4_ARCHITECTURE, DSparkConfig
+    from specserve.speculative.dspark_model import DSparkDraftModel
 
     target = ModelConfig.from_path(target_path)
     if target.deepseek_v4 is not None:
@@ -304,14 +305,33 @@ def make_tiny_dspark(
         "enable_confidence_head": confidence_head,
         "confidence_head_with_markov": confidence_head and markov_rank > 0,
     }
+    g4 = target.gemma4
+    if g4 is not None:  # DeepSpec's Gemma4DSparkModel: draft layers shaped as global ones
+        full = g4.full_rope
+        cfg.update(
+            architectures=[GEMMA4_ARCHITECTURE],
+            model_type="gemma4_text",
+            global_head_dim=g4.head_dims[-1],
+            num_global_key_value_heads=g4.kv_heads[-1],
+            attention_k_eq_v=g4.k_eq_v,
+            hidden_activation=target.hidden_act,
+            final_logit_softcapping=g4.final_logit_softcapping,
+            hidden_size_per_layer_input=0,
+            rope_parameters={
+                "full_attention": {
+                    "rope_type": full.rope_type,
+                    "rope_theta": full.theta,
+                    **dict(full.params),
+                }
+            },
+        )
+        cfg.pop("rope_theta")
     torch.manual_seed(seed)
     model = DSparkDraftModel(DSparkConfig.from_dict(cfg))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("layer_scalar"):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif p.dim() > 1:
-                p.normal_(0, init_std)
             else:
                 p.normal_(0, init_std)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -320,8 +340,11 @@ def make_tiny_dspark(
     for f in sorted(os.listdir(target_path)):
         if f.endswith(".safetensors"):
             tgt.update(load_file(os.path.join(target_path, f)))
-    state["embed_tokens.weight"] = tgt["model.embed_tokens.weight"].clone()
-    state["lm_head.weight"] = tgt.get("lm_head.weight", tgt["model.embed_tokens.weight"]).clone()
+    embed = tgt.get(
+        "model.embed_tokens.weight", tgt.get("model.language_model.embed_tokens.weight")
+    )
+    state["embed_tokens.weight"] = embed.clone()
+    state["lm_head.weight"] = tgt.get("lm_head.weight", embed).clone()
     os.makedirs(path, exist_ok=True)
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:

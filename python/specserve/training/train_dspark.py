@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.speculative.dspark_model import ARCHITECTURE, DSparkConfig, DSparkDraftModel
+from specserve.speculative.dspark_config import ARCHITECTURE, DSparkConfig
+from specserve.speculative.dspark_model import DSparkDraftModel
 from specserve.speculative.dspark_v4_model import DSparkV4Config, DSparkV4DraftModel
 from specserve.training.data import chunk, read_token_stream
 
