@@ -77,6 +77,39 @@ def hf_sequence_logprobs(model, ids: list[int]) -> tuple[list[float], torch.Tens
     return [float(logp[i - 1, ids[i]]) for i in range(1, len(ids))], logp
 
 
+def greedy_runs(eng, prompts: list[list[int]], new: int) -> list[tuple[list[int], list[float]]]:
+    """An engine's greedy ids for each prompt (``new`` tokens, past any stop)
+    and the logprob of every token after the first (the prompt's, then the
+    output's)."""
+    outs = eng.generate(
+        input_ids=prompts,
+        sampling_params={"temperature": 0, "max_new_tokens": new, "ignore_eos": True},
+        return_logprob=True,
+        logprob_start_len=0,
+    )
+    got = []
+    for out in outs:
+        meta = out["meta_info"]
+        entries = meta["input_token_logprobs"][1:] + meta["output_token_logprobs"]
+        got.append((out["output_ids"], [x[0] for x in entries]))
+    return got
+
+
+def check_greedy(
+    reference, prompt: list[int], ids: list[int], logprobs: list[float], tol: float
+) -> None:
+    """``greedy_runs``' logprobs are a transformers ``reference``'s of the
+    same sequence (one forward), and its ids the reference's argmax after
+    every prefix wherever that is not a near-tie."""
+    seq = prompt + ids
+    want, logp = hf_sequence_logprobs(reference, seq)
+    assert max(abs(a - b) for a, b in zip(logprobs, want)) < tol
+    rows = logp[len(prompt) - 1 : -1]
+    top2 = rows.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1] > 1e-4).tolist()
+    assert all(a == b for a, b, c in zip(ids, rows.argmax(-1).tolist(), clear) if c)
+
+
 def random_prompts(n: int, lengths: list[int], vocab: int = 500, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models_zoo import earlier_entry_wins, fp8_v4_copy, hf_sequence_logprobs, random_prompts
+from models_zoo import check_greedy, earlier_entry_wins, fp8_v4_copy, greedy_runs, random_prompts
 from specserve import Engine
 from specserve.cache.block_pool import cache_groups
 from specserve.config import ModelConfig
@@ -50,43 +50,14 @@ def engine(path: str, **kw) -> Engine:
     return Engine(model_path=path, **{**args, **kw})
 
 
-def run(eng: Engine, prompts: list[list[int]], new: int) -> list[tuple[list[int], list[float]]]:
-    """Greedy ids and the logprob of every token after the first."""
-    outs = eng.generate(
-        input_ids=prompts,
-        sampling_params={"temperature": 0, "max_new_tokens": new, "ignore_eos": True},
-        return_logprob=True,
-        logprob_start_len=0,
-    )
-    got = []
-    for out in outs:
-        meta = out["meta_info"]
-        entries = meta["input_token_logprobs"][1:] + meta["output_token_logprobs"]
-        got.append((out["output_ids"], [x[0] for x in entries]))
-    return got
-
-
-def check(reference, prompt: list[int], ids: list[int], logprobs: list[float]) -> None:
-    """Our greedy ids are the reference's argmax after every prefix, and our
-    logprobs its logprobs of the same sequence (one forward)."""
-    seq = prompt + ids
-    want, logp = hf_sequence_logprobs(reference, seq)
-    assert max(abs(a - b) for a, b in zip(logprobs, want)) < TOL
-    argmax = logp[len(prompt) - 1 : -1].argmax(dim=-1).tolist()
-    # The reference's own greedy choice, where it is not a near-tie.
-    top2 = logp[len(prompt) - 1 : -1].topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1] > 1e-4).tolist()
-    assert all(a == b for a, b, c in zip(ids, argmax, clear) if c)
-
-
 def test_prefill_chunked_decode_and_ragged_batch(v4_path, reference) -> None:
     """A ragged batch (prompts of 1 to 57 tokens, decoding 200 tokens, so past
     the window and many compression windows of both rates) in 16-token chunks."""
     prompts = random_prompts(4, [1, 13, 40, 57], seed=3)
     eng = engine(v4_path, chunked_prefill_size=16)
-    for prompt, (ids, lps) in zip(prompts, run(eng, prompts, 200)):
+    for prompt, (ids, lps) in zip(prompts, greedy_runs(eng, prompts, 200)):
         assert len(ids) == 200
-        check(reference, prompt, ids, lps)
+        check_greedy(reference, prompt, ids, lps, TOL)
 
 
 @pytest.mark.parametrize("chunk", range(1, 41))
@@ -94,8 +65,8 @@ def test_every_split_of_a_40_token_prompt(v4_path, reference, chunk) -> None:
     """Chunked prefill may split a window (of the window, CSA or HCA) anywhere."""
     prompt = random_prompts(1, [40], seed=5)[0]
     eng = engine(v4_path, chunked_prefill_size=chunk)
-    ((ids, lps),) = run(eng, [prompt], 3)
-    check(reference, prompt, ids, lps)
+    ((ids, lps),) = greedy_runs(eng, [prompt], 3)
+    check_greedy(reference, prompt, ids, lps, TOL)
 
 
 def test_sharded_checkpoint(v4_path, reference, tmp_path) -> None:
@@ -105,8 +76,8 @@ def test_sharded_checkpoint(v4_path, reference, tmp_path) -> None:
     )
     assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) > 1
     prompt = random_prompts(1, [21], seed=2)[0]
-    ((ids, lps),) = run(engine(sharded), [prompt], 30)
-    check(reference, prompt, ids, lps)
+    ((ids, lps),) = greedy_runs(engine(sharded), [prompt], 30)
+    check_greedy(reference, prompt, ids, lps, TOL)
 
 
 def test_queries_in_chunks_attend_as_in_one(v4_path, reference) -> None:
@@ -115,18 +86,18 @@ def test_queries_in_chunks_attend_as_in_one(v4_path, reference) -> None:
     eng = engine(v4_path)
     eng.runner.attn_backend.budget = 300  # a handful of query rows per gather
     prompt = random_prompts(1, [50], seed=19)[0]
-    ((ids, lps),) = run(eng, [prompt], 12)
-    check(reference, prompt, ids, lps)
+    ((ids, lps),) = greedy_runs(eng, [prompt], 12)
+    check_greedy(reference, prompt, ids, lps, TOL)
 
 
 def test_preemption_and_recompute(v4_path, reference) -> None:
     """Pools too small for every request: some are preempted and recomputed."""
     prompts = random_prompts(4, [30, 45], seed=7)
     eng = engine(v4_path, max_total_tokens=260)
-    results = run(eng, prompts, 70)
+    results = greedy_runs(eng, prompts, 70)
     assert eng.core.scheduler.num_preemptions > 0
     for prompt, (ids, lps) in zip(prompts, results):
-        check(reference, prompt, ids, lps)
+        check_greedy(reference, prompt, ids, lps, TOL)
 
 
 def test_a_tiny_budget_still_serves_long_requests(v4_path, reference) -> None:
@@ -136,8 +107,8 @@ def test_a_tiny_budget_still_serves_long_requests(v4_path, reference) -> None:
     eng = engine(v4_path, max_total_tokens=16)
     prompt = random_prompts(1, [60], seed=17)[0]
     assert eng.core.capacity_tokens >= 75
-    ((ids, lps),) = run(eng, [prompt], 15)
-    check(reference, prompt, ids, lps)
+    ((ids, lps),) = greedy_runs(eng, [prompt], 15)
+    check_greedy(reference, prompt, ids, lps, TOL)
 
 
 def test_ngram_speculation_equals_plain(v4_path) -> None:
@@ -145,7 +116,7 @@ def test_ngram_speculation_equals_plain(v4_path) -> None:
     are un-emitted): NGRAM output is plain output, ids and logprobs."""
     base = random_prompts(3, [6, 9, 11], seed=11)
     prompts = [p * 5 for p in base]  # repetitive: NGRAM drafts, some rejected
-    plain = run(engine(v4_path), prompts, 90)
+    plain = greedy_runs(engine(v4_path), prompts, 90)
     spec_eng = engine(v4_path, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
     trimmed: list[range] = []  # the positions each trim dropped
     trim = spec_eng.core.scheduler.trim
@@ -155,7 +126,7 @@ def test_ngram_speculation_equals_plain(v4_path) -> None:
         trim(req, num_tokens)
 
     spec_eng.core.scheduler.trim = watch
-    spec = run(spec_eng, prompts, 90)
+    spec = greedy_runs(spec_eng, prompts, 90)
     stats = spec_eng.core.spec.stats
     assert stats.rounds > 0 and stats.accept_length < 5  # drafts were both kept and rejected
     # Some rejected drafts had closed a CSA window and an HCA window (rates 4, 16).
@@ -179,7 +150,7 @@ def test_window_pages_are_freed_and_pools_match_accounting(v4_path) -> None:
         return batch
 
     core.scheduler.schedule = watch
-    run(eng, random_prompts(1, [20], seed=1), 240)
+    greedy_runs(eng, random_prompts(1, [20], seed=1), 240)
     retain = cache_groups(runner.model_config)[0].retain
     # After the prompt's step: the retained positions, the step's own token,
     # and a partial page at each end.
@@ -219,9 +190,9 @@ def test_fp8_block_scaled_v4_serves_like_its_dequantised_source(v4_path, tmp_pat
     assert ((w - src).abs() <= src.abs() / 16 + 1e-6).all() and not torch.equal(w, src)
     ref = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
     prompt = random_prompts(1, [37], seed=9)[0]
-    ((ids, lps),) = run(eng, [prompt], 20)
+    ((ids, lps),) = greedy_runs(eng, [prompt], 20)
     with earlier_entry_wins():
-        check(ref, prompt, ids, lps)
+        check_greedy(ref, prompt, ids, lps, TOL)
 
 
 def test_legacy_deepseek_config_fields() -> None:
@@ -283,12 +254,14 @@ def test_cuda_equals_cpu(request) -> None:
     pytest.importorskip("transformers")
     path = request.getfixturevalue("v4_path")
     prompts = random_prompts(4, [7, 30, 41], seed=13)
-    cpu = run(engine(path), prompts, 64)
-    cuda = run(engine(path, device="cuda", grammar_backend="none"), prompts, 64)
+    cpu = greedy_runs(engine(path), prompts, 64)
+    cuda = greedy_runs(engine(path, device="cuda", grammar_backend="none"), prompts, 64)
     for prompt, (a_ids, a_lps), (b_ids, b_lps) in zip(prompts, cpu, cuda):
         n = next((i for i, (x, y) in enumerate(zip(a_ids, b_ids)) if x != y), len(a_ids))
         assert n >= 8  # a near-tie may flip a later token; the prefix agrees
         m = len(prompt) - 1 + n  # logprobs of the prompt and the common prefix
         assert max(abs(x - y) for x, y in zip(a_lps[:m], b_lps[:m])) < 1e-3
-    bf16 = run(engine(path, device="cuda", dtype="bfloat16", grammar_backend="none"), prompts, 64)
+    bf16 = greedy_runs(
+        engine(path, device="cuda", dtype="bfloat16", grammar_backend="none"), prompts, 64
+    )
     assert all(len(ids) == 64 and all(map(math.isfinite, lps)) for ids, lps in bf16)

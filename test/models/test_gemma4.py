@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from models_zoo import hf_sequence_logprobs, random_prompts
+from models_zoo import check_greedy, greedy_runs, random_prompts
 from specserve import Engine
 from specserve.config import ModelConfig
 from specserve.models.gemma4 import Gemma4ForCausalLM
@@ -51,62 +51,34 @@ def engine(path: str, **kw) -> Engine:
     return Engine(model_path=path, **{**args, **kw})
 
 
-def run(eng: Engine, prompts: list[list[int]], new: int) -> list[tuple[list[int], list[float]]]:
-    """Greedy ids and the logprob of every token after the first."""
-    outs = eng.generate(
-        input_ids=prompts,
-        sampling_params={"temperature": 0, "max_new_tokens": new, "ignore_eos": True},
-        return_logprob=True,
-        logprob_start_len=0,
-    )
-    got = []
-    for out in outs:
-        meta = out["meta_info"]
-        entries = meta["input_token_logprobs"][1:] + meta["output_token_logprobs"]
-        got.append((out["output_ids"], [x[0] for x in entries]))
-    return got
-
-
-def check(reference, prompt: list[int], ids: list[int], logprobs: list[float]) -> None:
-    """Our logprobs are the reference's for the same sequence (one forward),
-    and our greedy ids its argmax wherever that is not a near-tie."""
-    seq = prompt + ids
-    want, logp = hf_sequence_logprobs(reference, seq)
-    assert max(abs(a - b) for a, b in zip(logprobs, want)) < TOL
-    rows = logp[len(prompt) - 1 : -1]
-    top2 = rows.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1] > 1e-4).tolist()
-    assert all(a == b for a, b, c in zip(ids, rows.argmax(-1).tolist(), clear) if c)
-
-
 @pytest.mark.parametrize("arch", VARIANTS)
 def test_ragged_batch_in_chunks_past_the_window(paths, references, arch) -> None:
     """Prompts of 1 to 37 tokens prefilled in 16-token chunks beside each
     other's decodes, then 40 tokens each: five windows past the first."""
     prompts = random_prompts(4, [1, 9, 23, 37], seed=3)
-    for prompt, (ids, lps) in zip(prompts, run(engine(paths[arch]), prompts, 40)):
+    for prompt, (ids, lps) in zip(prompts, greedy_runs(engine(paths[arch]), prompts, 40)):
         assert len(ids) == 40
-        check(references[arch], prompt, ids, lps)
+        check_greedy(references[arch], prompt, ids, lps, TOL)
 
 
 def test_preemption_and_recompute(paths, references) -> None:
     prompts = random_prompts(4, [20, 31], seed=7)
     eng = engine(paths["gemma4"], max_total_tokens=120)
-    results = run(eng, prompts, 40)
+    results = greedy_runs(eng, prompts, 40)
     assert eng.core.scheduler.num_preemptions > 0
     for prompt, (ids, lps) in zip(prompts, results):
-        check(references["gemma4"], prompt, ids, lps)
+        check_greedy(references["gemma4"], prompt, ids, lps, TOL)
 
 
 def test_ngram_speculation_equals_plain(paths) -> None:
     """Verify chains over sliding layers, drafts rejected and their K/V
     overwritten: NGRAM's output is plain output, ids and logprobs."""
     prompts = [p * 4 for p in random_prompts(3, [5, 7, 9], seed=11)]
-    plain = run(engine(paths["gemma4_moe"]), prompts, 30)
+    plain = greedy_runs(engine(paths["gemma4_moe"]), prompts, 30)
     spec_eng = engine(
         paths["gemma4_moe"], speculative_algorithm="NGRAM", speculative_num_draft_tokens=4
     )
-    spec = run(spec_eng, prompts, 30)
+    spec = greedy_runs(spec_eng, prompts, 30)
     assert spec_eng.core.spec.stats.rounds > 0
     for (a_ids, a_lps), (b_ids, b_lps) in zip(plain, spec):
         assert a_ids == b_ids

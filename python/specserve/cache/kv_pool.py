@@ -38,16 +38,19 @@ class KVPool:
 
     @staticmethod
     def bytes_per_page(
-        num_layers: int,
-        page_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        layer_shapes: Sequence[tuple[int, int]] | None = None,
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
+        return KVPool.layers_bytes_per_page(
+            [(num_kv_heads, head_dim)] * num_layers, page_size, dtype
+        )
+
+    @staticmethod
+    def layers_bytes_per_page(
+        layer_shapes: Sequence[tuple[int, int]], page_size: int, dtype: torch.dtype
+    ) -> int:
+        """A page's K and V over layers of these (KV heads, head dim)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        shapes = layer_shapes or [(num_kv_heads, head_dim)] * num_layers
-        return 2 * page_size * sum(h * d for h, d in shapes) * elem
+        return 2 * page_size * sum(h * d for h, d in layer_shapes) * elem
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """``k``/``v [T, Hkv, D]`` into ``slots [T]``."""

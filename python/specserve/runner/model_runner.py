@@ -134,16 +134,7 @@ class ModelRunner:
             self._kv_capacity_pages(extra_bytes_per_page, reserve)
         )
         self.group_pages = [self.num_pages]
-        self.page_bytes = [
-            KVPool.bytes_per_page(
-                mc.num_hidden_layers,
-                self.page_size,
-                self.heads.kv_count,
-                mc.head_dim,
-                self.dtype,
-                self.kv_shapes,
-            )
-        ]
+        self.page_bytes = [self._page_bytes()]
         self.capacity_tokens = self.num_pages * self.page_size
         # One page past the allocator's: where a captured step's padding
         # tokens write their K/V (no request owns it).
@@ -235,19 +226,15 @@ class ModelRunner:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return available * cache.fraction("cpu")
 
+    def _page_bytes(self) -> int:
+        """A page of this rank's KV pool, every layer's (KV heads, head dim)."""
+        return KVPool.layers_bytes_per_page(self.kv_shapes, self.page_size, self.dtype)
+
     def _kv_capacity_pages(self, extra_bytes_per_page: int, reserve_bytes: int) -> int:
         cache = self.config.cache
         if cache.max_total_tokens is not None:
             return cache.max_total_tokens // self.page_size
-        mc = self.model_config
-        per_page = extra_bytes_per_page + KVPool.bytes_per_page(
-            mc.num_hidden_layers,
-            self.page_size,
-            self.heads.kv_count,
-            mc.head_dim,
-            self.dtype,
-            self.kv_shapes,
-        )
+        per_page = extra_bytes_per_page + self._page_bytes()
         budget = self._kv_budget(reserve_bytes)
         if self.device.type != "cuda":
             # More than every running request at full context is never used.

@@ -388,7 +388,10 @@ class DSparkDraftModel(BlockDrafter):
         bias = torch.zeros(past.shape, device=past.device).masked_fill(past, float("-inf"))
         tokens = input_ids.gather(1, anchors)  # [B, A]
         hidden = self.block_hidden(
-            tokens.flatten(), anchors.flatten(), dense_attend(ctx, bias.view(b * a, t), self.config.attention_scale), block_size
+            tokens.flatten(),
+            anchors.flatten(),
+            dense_attend(ctx, bias.view(b * a, t), self.config.attention_scale),
+            block_size,
         )
         return hidden.view(b, a, block_size, -1)
 
@@ -404,4 +407,6 @@ class DSparkDraftModel(BlockDrafter):
         bias = features.new_zeros(1, p)
         anchors = torch.tensor([anchor], device=features.device)
         starts = torch.tensor([p], device=features.device)
-        return self.block_hidden(anchors, starts, dense_attend(ctx, bias, self.config.attention_scale), block_size)[0]
+        return self.block_hidden(
+            anchors, starts, dense_attend(ctx, bias, self.config.attention_scale), block_size
+        )[0]
