@@ -97,3 +97,14 @@ def test_a_deepseek_v4_bundle_is_checked_as_one(tmp_path) -> None:
     s = report["settings"]
     assert report["format"] == "deepseek_v4" and s["stages"] == len(s["target_layer_ids"]) > 0
     assert report["greedy"]["ids_equal"] and report["greedy"]["max_logprob_diff"] <= 1e-4
+
+
+def test_a_gemma4_pair_names_its_backbone(tmp_path, capsys) -> None:
+    from specserve.tools.tiny_model import make_tiny_model
+
+    target = make_tiny_model(str(tmp_path / "gemma4"), arch="gemma4", num_layers=4)
+    drafter = make_tiny_dspark(str(tmp_path / "drafter"), target, target_layer_ids=(0, 1, 2))
+    assert main(["check-drafter", target, drafter, "--max-new-tokens", "8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["greedy"]["ids_equal"]
+    assert report["settings"]["backbone"].startswith("Gemma 4 (heads 4 x 32, 1 KV, keys as values")

@@ -125,6 +125,13 @@ def _settings(
             ),
             "lm_head": "its own, over the draft vocabulary" if reduced else "the target's (shared)",
             "draft_layers": d.num_hidden_layers,
+            "backbone": (
+                f"Gemma 4 (heads {d.num_attention_heads} x {d.head_dim}, "
+                f"{d.num_key_value_heads} KV{', keys as values' if d.keys_are_values else ''}, "
+                f"logits capped at {d.logit_softcap})"
+                if d.gemma4
+                else f"Qwen3 (heads {d.num_attention_heads} x {d.head_dim}, {d.num_key_value_heads} KV)"
+            ),
         },
         "choices": list(ckpt.choices),
     }, d
