@@ -28,7 +28,7 @@ from spec_helpers import (
 from specserve import Engine
 from specserve.kernels.dispatch import HAS_TRITON
 from specserve.speculative.drafter_formats import read_drafter
-from specserve.tools.drafter_layouts import write_speculators
+from specserve.tools.drafter_layouts import write_deepspec, write_speculators
 from specserve.tools.tiny_model import make_tiny_dspark, make_tiny_model
 
 
@@ -47,6 +47,9 @@ def gemma(tmp_path_factory):
         "speculators-anchor-false": write_speculators(
             drafter, str(root / "sp2"), sample_from_anchor=False
         ),
+        # bf16 weights, as the releases ship them.
+        "deepspec-bf16": write_deepspec(drafter, str(root / "ds-bf16"), dtype=torch.bfloat16),
+        "speculators-bf16": write_speculators(drafter, str(root / "sp-bf16"), dtype=torch.bfloat16),
     }
 
 
@@ -149,8 +152,9 @@ def test_cached_rounds_equal_a_from_scratch_forward(gemma, backend) -> None:
 
 
 def test_the_speculators_export_drafts_the_same(gemma) -> None:
-    want = draft_rounds(gemma["deepspec"], target=gemma["target"])
-    assert_same_rounds(want, draft_rounds(gemma["speculators"], target=gemma["target"]))
+    for base, export in [("deepspec", "speculators"), ("deepspec-bf16", "speculators-bf16")]:
+        want = draft_rounds(gemma[base], target=gemma["target"])
+        assert_same_rounds(want, draft_rounds(gemma[export], target=gemma["target"]))
     prop, _ = proposer_for(
         gemma["speculators-anchor-false"], target=gemma["target"],
         speculative_dspark_confidence_threshold=1e-9,
