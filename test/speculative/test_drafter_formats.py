@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from models_zoo import model_path, random_prompts
 from spec_helpers import (
@@ -16,6 +17,7 @@ from spec_helpers import (
     assert_rounds_match_scratch,
     assert_same_rounds,
     draft_rounds,
+    features,
     proposer_for,
 )
 from specserve import Engine
@@ -26,6 +28,10 @@ from specserve.tools.tiny_model import make_tiny_dspark
 # Every fifth token from 2, written in a shuffled order (d2t's offsets go
 # both ways; the rows are read back by target id).
 DRAFT_IDS = torch.arange(2, 528, 5)[torch.randperm(106, generator=torch.Generator().manual_seed(0))]
+
+
+# Per captured layer (the tiny Qwen3's one), an RMSNorm weight.
+FC_NORM = 1 + 0.2 * torch.randn(1, 64, generator=torch.Generator().manual_seed(1))
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +51,7 @@ def layouts(tmp_path_factory):
         "torchspec-converted": write_torchspec(gated, str(root / "ts2"), trained_names=False),
         "torchspec-dflash": write_torchspec(gated, str(root / "ts3"), variant="dflash"),
         "torchspec-classical": write_torchspec(vanilla, str(root / "ts4"), variant="classical"),
+        "torchspec-fc-norm": write_torchspec(gated, str(root / "ts5"), fc_norm=FC_NORM),
         "speculators": write_speculators(gated, str(root / "speculators")),
         "speculators-unsaid": write_speculators(gated, str(root / "sp2"), sample_from_anchor=None),
         "speculators-reduced": write_speculators(
@@ -160,7 +167,9 @@ def _serve(eng: Engine) -> dict:
 
 
 # (TorchSpec's layouts draft what DeepSpec's does, proposal for proposal: above.)
-@pytest.mark.parametrize("name", ["speculators", "speculators-reduced", "speculators-anchor-false"])
+@pytest.mark.parametrize(
+    "name", ["speculators", "speculators-reduced", "speculators-anchor-false", "torchspec-fc-norm"]
+)
 def test_each_format_serves_what_plain_decoding_serves(layouts, plain, name) -> None:
     """Greedy ids and logprobs equal plain's; seeded sampling draws what the
     DeepSpec drafter's engine draws (its map, for a reduced vocabulary); a
@@ -248,3 +257,29 @@ def test_a_whole_vocabularys_identity_map_is_not_read(layouts, tmp_path) -> None
     save_file(state, str(path / "model.safetensors"))
     prop, _ = proposer_for(str(path))
     assert prop.model.hot_ids is None  # drafts over the whole vocabulary
+
+
+def test_per_layer_feature_norms_apply_before_the_concatenation(layouts, tmp_path) -> None:
+    """A TorchSpec export with ``fc_norm.{i}``: each captured layer RMS-normed
+    by its own weight before ``fc``; otherwise DeepSpec's drafter of the
+    same weights, fed the normed features itself."""
+    ckpt = read_drafter(layouts["torchspec-fc-norm"])
+    assert ckpt.config.feature_norms
+    normed_model = proposer_for(layouts["torchspec-fc-norm"])[0].model
+    plain_model = proposer_for(layouts["deepspec"])[0].model
+    feats = features(9, 64, 3)
+    normed = F.rms_norm(feats.view(9, 1, 64), (64,), eps=1e-6) * FC_NORM
+    want = plain_model.context_hidden(normed.view(9, 64))
+    torch.testing.assert_close(normed_model.context_hidden(feats), want, atol=1e-6, rtol=0)
+    assert (plain_model.context_hidden(feats) - want).abs().max() > 1e-3
+    # Found among the tensors when the config does not say.
+    import shutil
+
+    unsaid = shutil.copytree(layouts["torchspec-fc-norm"], tmp_path / "unsaid")
+    with open(f"{unsaid}/config.json") as f:
+        cfg = json.load(f)
+    cfg.pop("fc_norm")
+    with open(f"{unsaid}/config.json", "w") as f:
+        json.dump(cfg, f)
+    ckpt = read_drafter(unsaid)
+    assert ckpt.config.feature_norms and any("fc_norm" in c for c in ckpt.choices)

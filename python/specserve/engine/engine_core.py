@@ -163,6 +163,9 @@ class EngineCore:
         )
         self._cursors: dict[str, _Cursor] = {}
         self.stats = EngineStats()
+        # The loop's time between steps (``_loop_time``): the last step's
+        # deltas, and when it ended with work left (None: the loop waited).
+        self._loop_carry, self._loop_since = 0.0, None
 
     # ---- requests -------------------------------------------------------
 
@@ -225,13 +228,29 @@ class EngineCore:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
+            self._loop_since = None
             return []
         self._run(batch)
         if self.spec is not None:
-            self.spec.observe_step(batch, time.perf_counter() - start)
+            self.spec.observe_step(batch, time.perf_counter() - start + self._loop_time(start))
             self._propose([step.req for step in batch.steps])
+            proposed = time.perf_counter()
         self.scheduler.reap_finished()
-        return [self._delta(step.req) for step in batch.steps]
+        outputs = [self._delta(step.req) for step in batch.steps]
+        if self.spec is not None:
+            end = time.perf_counter()
+            self._loop_carry = end - proposed
+            self._loop_since = end if self.has_work() else None
+        return outputs
+
+    def _loop_time(self, start: float) -> float:
+        """What the busy loop spent since the last step's measurement besides
+        drafting: that step's deltas, and delivering them and taking in
+        commands until this step began (not a wait for work). Speculation
+        saves it per step it saves, so the cost model counts it per step."""
+        if self._loop_since is None:
+            return 0.0
+        return self._loop_carry + start - self._loop_since
 
     def _release_spec(self, req: Req) -> None:
         assert self.spec is not None

@@ -10,7 +10,9 @@ of the checkpoint's tensors in the internal model:
   argument); ``num_target_layers`` counts the captured layers, the
   target's depth is ``target_num_hidden_layers``; older exports call the
   vanilla Markov head "classical"; the DFlash-style variant nests
-  ``mask_token_id`` and ``target_layer_ids`` in ``dflash_config``.
+  ``mask_token_id`` and ``target_layer_ids`` in ``dflash_config``; an
+  RMSNorm per captured layer before the concatenation (``fc_norm.{i}``,
+  with ``fc_norm: true``, or found among the tensors) is read.
 - ``speculators``: ``speculators_model_type: "dspark"``. The backbone in
   ``transformer_layer_config``; ``aux_hidden_state_layer_ids`` number the
   hidden states with the embeddings as 0 (DeepSpec's id + 1); a reduced
@@ -30,6 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from safetensors import safe_open
+
+from specserve.models.loader import checkpoint_files
 from specserve.speculative.dspark_config import ARCHITECTURE, GEMMA4_ARCHITECTURE, DSparkConfig
 
 FORMATS = ("deepspec", "torchspec", "speculators")
@@ -110,6 +115,9 @@ def detect_format(cfg: dict[str, Any]) -> str:
 
 def _read_torchspec(cfg: dict[str, Any], source: str, block_hint: int | None) -> DrafterCheckpoint:
     choices = []
+    if not cfg.get("fc_norm") and _has_tensor(os.path.dirname(source), "fc_norm.0.weight"):
+        cfg = {**cfg, "fc_norm": True}
+        choices.append("an RMSNorm per captured layer (fc_norm.*, found among the tensors)")
     nested = cfg.get("dflash_config") or {}
     norm = {**cfg, **{k: nested[k] for k in ("mask_token_id", "target_layer_ids") if k in nested}}
     norm["architectures"] = [ARCHITECTURE]
@@ -199,6 +207,15 @@ def _read_speculators(cfg: dict[str, Any], source: str) -> DrafterCheckpoint:
     return DrafterCheckpoint(
         "speculators", dcfg, renames=renames, ignored=ignored, choices=tuple(choices)
     )
+
+
+def _has_tensor(path: str, key: str) -> bool:
+    """Whether the checkpoint at ``path`` holds tensor ``key``."""
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            if key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                return True
+    return False
 
 
 def _speculative_tokens(cfg: dict[str, Any]) -> int | None:

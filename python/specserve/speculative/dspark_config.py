@@ -50,6 +50,8 @@ class DSparkConfig:
     # block_size drafts); False, the 1 + N layout (slot 0 the anchor's bonus
     # token, slot k predicts anchor + k: a block of block_size + 1 positions).
     sample_from_anchor: bool = True
+    # An RMSNorm per captured layer before their concatenation (``fc_norm.{i}``).
+    feature_norms: bool = False
     # Gemma 4's backbone (see the module docstring); keys as values with it.
     gemma4: bool = False
     keys_are_values: bool = False
@@ -118,6 +120,7 @@ class DSparkConfig:
             confidence_head_with_markov=with_markov,
             draft_vocab_size=None if draft_vocab is None else int(draft_vocab),
             sample_from_anchor=bool(cfg.get("sample_from_anchor", True)),
+            feature_norms=bool(cfg.get("fc_norm", False)),
             **backbone,
         )
 

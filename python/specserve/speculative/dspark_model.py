@@ -229,6 +229,10 @@ class DSparkDraftModel(BlockDrafter):
         self.lm_head = VocabParallelHead(d, cfg.vocab_size, group)
         self.lm_head.softcap = cfg.logit_softcap
         self.fc = Linear(len(cfg.target_layer_ids) * d, d, bias=False)
+        self.fc_norm = None
+        if cfg.feature_norms:  # each captured layer normed before they are joined
+            eps = cfg.rms_norm_eps
+            self.fc_norm = nn.ModuleList([RMSNorm(d, eps) for _ in cfg.target_layer_ids])
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DraftLayer(cfg, group) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -327,6 +331,10 @@ class DSparkDraftModel(BlockDrafter):
 
     def context_hidden(self, features: torch.Tensor) -> torch.Tensor:
         """``[n, m * d]`` captured target layers -> the fused context state ``[n, d]``."""
+        if self.fc_norm is not None:
+            layers = features.view(features.shape[0], len(self.fc_norm), -1)  # [n, m, d]
+            weight = torch.stack([norm.weight for norm in self.fc_norm])  # [m, d]
+            features = rms_norm(layers, weight, self.config.rms_norm_eps).flatten(1)
         return self.hidden_norm(self.fc.forward(features))
 
     # ---- the block ----------------------------------------------------------

@@ -81,6 +81,7 @@ def write_torchspec(
     trained_names: bool = True,
     variant: str = "qwen3_dspark",
     dtype: torch.dtype | None = None,
+    fc_norm: torch.Tensor | None = None,
 ) -> str:
     """TorchSpec's export of the drafter at ``src``: no ``lm_head`` and no
     ``block_size``; ``num_target_layers`` the captured layers' count.
@@ -88,7 +89,9 @@ def write_torchspec(
     ``context_norm``, ``final_norm``), as before its converter's renames.
     ``variant``: "qwen3_dspark" (current), "classical" (the older export,
     Markov head so named), "dflash" (``DFlashDraftModel`` with the ids in
-    ``dflash_config``)."""
+    ``dflash_config``). ``fc_norm``: ``[m, d]`` weights of an RMSNorm per
+    captured layer before the concatenation (``fc_norm.{i}.weight``, with
+    ``fc_norm: true`` in the config)."""
     cfg, state = _read(src)
     out = {k: cfg[k] for k in _BACKBONE if k in cfg}
     out.update(
@@ -114,6 +117,9 @@ def write_torchspec(
             "target_layer_ids": out.pop("target_layer_ids"),
         }
     state.pop("lm_head.weight", None)
+    if fc_norm is not None:
+        out["fc_norm"] = True
+        state.update({f"fc_norm.{i}.weight": w.clone() for i, w in enumerate(fc_norm)})
     if trained_names:
         # The readers' renames the other way (a DSpark export has no midlayer).
         back = [(new, old) for old, new in TORCHSPEC_RENAMES if old != "midlayer."]
