@@ -3,11 +3,15 @@ configuration, C clients each sending requests back to back.
 
 Every configuration is a ``specserve serve`` of the same target (the demo
 by default) on its own port. For each concurrency C and each repeat, every
-speculative server gets one wave, each after a plain one: C clients share ``max(C * --requests-per-client, 8)`` held-out prompts, each
+speculative server gets one wave beside a plain one: C clients share ``max(C * --requests-per-client, 8)`` held-out prompts, each
 sending its next request when the last one finished, greedy, natural stops
-(``max_tokens`` caps them). Each speculative wave runs right after a plain
+(``max_tokens`` caps them). Each speculative wave runs next to a plain
 one, and its ratio to that one is what counts: the machine drifts by
-several percent over minutes, and adjacent waves share its state. Reported
+several percent over minutes, and adjacent waves share its state. The
+plain wave runs first on even repeats and second on odd ones (the second
+wave of a pair runs slower, whatever the server: an even ``--repeats``
+cancels that); ``plain-control``, a second plain server, measures what is
+left of the harness's bias and noise. Reported
 per C and configuration, medians over the repeats: output tok/s over the
 wave, the ratio to plain (the median of the pairs' ratios), tau (committed
 tokens per verify round) and the share of decode steps that verified no
@@ -42,6 +46,9 @@ CONFIGS: dict[str, list[str]] = {
     "DFLASH": ["--speculative-algorithm", "DFLASH"],
     "NGRAM": ["--speculative-algorithm", "NGRAM"],
     "DSPARK-ngram-first": ["--speculative-algorithm", "DSPARK", "--speculative-ngram-first"],
+    # A second plain server measured as the others are: the harness's own
+    # bias and noise (its ratio should be 1).
+    "plain-control": [],
 }
 
 
@@ -54,14 +61,14 @@ def parse_args() -> argparse.Namespace:
         "--configs",
         nargs="+",
         choices=[c for c in CONFIGS if c != "plain"],
-        default=[c for c in CONFIGS if c != "plain"],
+        default=[c for c in CONFIGS if c not in ("plain", "plain-control")],
         help="speculative servers, each against plain",
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--input-len", type=int, default=64, help="prompt tokens (held-out windows)")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens of every request")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--port", type=int, default=31000, help="the first server's port")
     p.add_argument("--server-args", default="", help="more flags for every server (one string)")
     p.add_argument("--output-json", default=None)
@@ -183,16 +190,22 @@ def main() -> int:
             prompts = prompts_all[: max(c * args.requests_per_client, 8)]
             runs: dict[str, list[dict]] = {n: [] for n in names}
             ratios: dict[str, list[float]] = {n: [] for n in args.configs}
-            for _ in range(args.repeats):
+            for rep in range(args.repeats):
                 for name in args.configs:
-                    # Each wave right after a plain one: their ratio cancels
-                    # the machine's drift (several percent over minutes).
-                    plain = asyncio.run(wave(procs["plain"][1], prompts, c, args.output_len))
-                    runs["plain"].append(plain)
-                    runs[name].append(
-                        asyncio.run(wave(procs[name][1], prompts, c, args.output_len))
-                    )
-                    ratios[name].append(runs[name][-1]["tok_s"] / plain["tok_s"])
+                    # Each wave beside a plain one: their ratio cancels the
+                    # machine's drift (several percent over minutes). Which
+                    # runs first alternates: the second of two identical
+                    # servers' waves measured up to 11% slower (the
+                    # plain-control arm), which would count against every
+                    # configuration run second.
+                    order = ["plain", name] if rep % 2 == 0 else [name, "plain"]
+                    pair = {
+                        n: asyncio.run(wave(procs[n][1], prompts, c, args.output_len))
+                        for n in order
+                    }
+                    runs["plain"].append(pair["plain"])
+                    runs[name].append(pair[name])
+                    ratios[name].append(pair[name]["tok_s"] / pair["plain"]["tok_s"])
             for name in names:
                 row = {
                     "clients": c,

@@ -97,10 +97,11 @@ def test_the_cost_table_interpolates_and_round_trips(tmp_path) -> None:
     assert table(8, 8) == pytest.approx(8.0)  # linear past 4 requests: 1 + 3 * 7 / 3
     path = tmp_path / "costs.json"
     draft = CostTable([1, 4], [1], [[0.5], [0.9]])
-    StepCosts(table, draft).save(str(path))
+    StepCosts(table, draft, draft_row=0.003).save(str(path))
     back = StepCosts.load(str(path))
     assert back.target(3, 9) == pytest.approx(table(3, 9))
     assert back.draft is not None and back.draft(2, 2) == pytest.approx(draft(2, 2))
+    assert back.draft_row == pytest.approx(0.003)
     StepCosts(table).save(str(path))  # no drafter profiled (n-gram)
     assert StepCosts.load(str(path)).draft is None
     (tmp_path / "old.json").write_text(json.dumps({"1": 100.0}))  # the old format
@@ -211,6 +212,34 @@ def test_a_profiled_drafter_prices_every_load_and_is_corrected_online() -> None:
         planner.observe_draft(1, 0.0025)
     assert planner.draft_seconds(1) == pytest.approx(0.0025, rel=0.05)
     assert planner.draft_seconds(8) == pytest.approx(0.016, rel=0.05)
+
+
+def test_a_request_with_context_to_catch_up_drafts_only_where_it_pays() -> None:
+    """Taking committed positions into the drafter's context costs per row
+    (a prompt, or the steps a request did not draft). Two requests alike
+    but for that: only the one with nothing to catch up drafts; rounds that
+    caught up as priced leave the drafter's correction where it was."""
+    draft = CostTable([1, 2], [1], [[0.002], [0.003]])
+    planner = SpecPlanner(
+        4,
+        CostTable([1, 2], [1, 5], [[0.010, 0.011], [0.011, 0.012]]),
+        draft_costs=draft,
+        draft_row=0.0004,
+    )
+    owns, limits = [[0.6] * 4, [0.6] * 4], [4, 4]
+    assert planner.before_draft(owns, limits, 2, 0, pending=[2, 2]) == [4, 4]
+    assert planner.before_draft(owns, limits, 2, 0, pending=[2, 102]) == [4, 0]
+    assert planner.catch_up_seconds(102) == pytest.approx(0.04)
+    for _ in range(20):  # as priced: a steady round, and one catching up 100 rows
+        planner.observe_draft(1, 0.002)
+        planner.observe_draft(1, 0.042, pending=100)
+    assert planner.draft_seconds(1) == pytest.approx(0.002, rel=1e-6)
+    # Measured online only (no profile), a catch-up round is not a round's price.
+    online = SpecPlanner(4, CostTable([1], [1], [[1.0]]))
+    online.observe_draft(1, 0.5, pending=100)
+    assert online.draft_seconds(1) == 0.0
+    online.observe_draft(1, 0.002)
+    assert online.draft_seconds(1) == pytest.approx(0.002)
 
 
 def run_steps(planner: SpecPlanner, steps: int, spec: tuple, plain: tuple, requests: int = 4):
@@ -366,7 +395,7 @@ class Alternating(SpecPlanner):
         super().__init__(width, CostTable([1], [1], [[1.0]]))
         self.calls = 0
 
-    def before_draft(self, owns, limits, requests, extra, drafting=0):
+    def before_draft(self, owns, limits, requests, extra, drafting=0, pending=None):
         self.calls += 1
         return list(limits) if self.calls % 2 else [0] * len(limits)
 
@@ -542,6 +571,7 @@ def test_the_default_engine_profiles_its_table_and_stays_exact(drafters, plain_o
         assert planner.draft_costs is not None
         assert planner.draft_costs.counts == planner.costs.counts
         assert all(row[0] > 0 for row in planner.draft_costs.times)
+        assert planner.draft_row > 0  # and what a row to catch up adds to a round
         outs = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert [o["output_ids"] for o in outs] == [p["output_ids"] for p in plain_outputs]
         assert eng.stats()["spec_steps"] > 0

@@ -26,6 +26,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.sampling.metadata import StepRows
 from specserve.speculative.base import Proposer
 from specserve.speculative.planner import SpecPlanner
+from specserve.speculative.step_costs import STEADY_ROWS
 from specserve.speculative.verify import Chain, verify_chains
 
 
@@ -46,7 +47,6 @@ class SpecDecoder:
         self._confidence: dict[str, list[float]] = {}  # of drafts still to verify
         self._draft_seconds = 0.0  # drafting for the coming step
         self._generated = 0  # tokens the step in progress committed (every request)
-        self._drafted: set[str] = set()  # the requests drafting for the coming step
 
     def propose(self, reqs: Sequence[Req]) -> None:
         """Drafts for the next step of each of ``reqs`` that decodes next (its
@@ -69,13 +69,13 @@ class SpecDecoder:
             self._draft_seconds = time.perf_counter() - start
 
     def _propose(self, reqs: Sequence[Req]) -> None:
-        drafted, self._drafted = self._drafted, set()
         todo = [
             r for r in reqs if not r.finished and r.output_ids and r.num_computed == r.seq_len - 1
         ]
         if not todo:
             return
         limits = [self.scheduler.max_drafts(r) for r in todo]
+        pending = [self.proposer.pending_rows(r) for r in todo]
         planner = self.planner
         requests, prefill = self.scheduler.next_load()
         chosen = limits
@@ -89,6 +89,7 @@ class SpecDecoder:
                 requests,
                 extra,
                 drafting=len(todo) - len(free),
+                pending=[pending[k] for k in free],
             )
             chosen = list(limits)
             for k, n in zip(free, picks):
@@ -103,7 +104,6 @@ class SpecDecoder:
         proposal = self.proposer.propose(drafting, [limits[k] for k in picked])
         lengths = self.proposer.verify_lengths(proposal)  # a user's threshold
         conf = proposal.confidence
-        self._drafted = {r.rid for r in drafting}
         if planner is not None:
             if conf is not None:  # this round's own estimates, the draft paid
                 survival = [  # a pinned chain is sure to be verified
@@ -120,8 +120,9 @@ class SpecDecoder:
             req.set_drafts(proposal.tokens[j][:n], None if q is None else q[:n])
             if planner is not None and conf is not None and n:
                 self._confidence[req.rid] = conf[j][:n]
-        if planner is not None and self._drafted <= drafted:  # nothing to catch up: steady
-            planner.observe_draft(len(drafting), time.perf_counter() - start)
+        if planner is not None:  # a catch-up priced per row (with a profile)
+            rows = sum(max(pending[k] - STEADY_ROWS, 0) for k in picked)
+            planner.observe_draft(len(drafting), time.perf_counter() - start, rows)
 
     def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
         """The step just run, measured: the planner's tables learn from it."""

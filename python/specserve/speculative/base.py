@@ -61,13 +61,19 @@ class Proposer(ABC):
         """Drops the request's draft state (finished, aborted or preempted)."""
         req.draft_state = None
 
-    def profile_round(self, n: int, prefix: int) -> Callable[[], None] | None:
+    def profile_round(self, n: int, prefix: int, pending: int = 2) -> Callable[[], None] | None:
         """A function that drafts one round for ``n`` made-up greedy requests,
-        each after ``prefix`` cached positions with a round's commits
-        pending, and frees them again: what the cost model times at
-        start-up. None: a round costs next to nothing here, or cannot run
+        each after ``prefix`` cached positions with ``pending`` committed
+        positions still to take into its context (a steady round's: what
+        one round commits), and frees them again: what the cost model times
+        at start-up. None: a round costs next to nothing here, or cannot run
         made up (the cost model then measures it online)."""
         return None
+
+    def pending_rows(self, req: Req) -> int:
+        """Committed positions ``req``'s next round takes into the drafter's
+        context before drafting (a prompt, or the steps it did not draft)."""
+        return 0
 
     @property
     def pools(self) -> list[BlockPool]:

@@ -194,13 +194,13 @@ class DSparkProposer(Proposer):
     def pools(self) -> list[BlockPool]:
         return [self.block_pool]
 
-    def profile_round(self, n: int, prefix: int) -> Callable[[], None] | None:
+    def profile_round(self, n: int, prefix: int, pending: int = 2) -> Callable[[], None] | None:
         if self.shard is not None:  # a split drafter's rounds are plans every rank joins
             return None
         # As long a context as the free draft pages hold for n blocks.
         ps, g = self.block_pool.page_size, self.block_len
         prefix = min(prefix, self.block_pool.free_pages() // n * ps - g)
-        rows = min(2, prefix)  # what a round typically commits
+        rows = min(pending, prefix)
         if rows < 1:
             return None
         d = self.model.feature_weight.shape[1]
@@ -222,6 +222,11 @@ class DSparkProposer(Proposer):
                     self.release(req)
 
         return round_
+
+    def pending_rows(self, req: Req) -> int:
+        st = req.draft_state
+        # (A split drafter's context is stored by the target's forwards.)
+        return 0 if st is None or self.shard is not None else st.pending_len
 
     def _pending(
         self, reqs: Sequence[Req]

@@ -55,9 +55,12 @@ class NgramFirstProposer(Proposer):
     def release(self, req: Req) -> None:
         self.drafter.release(req)
 
-    def profile_round(self, n: int, prefix: int) -> Callable[[], None] | None:
+    def profile_round(self, n: int, prefix: int, pending: int = 2) -> Callable[[], None] | None:
         """The drafter's round: what a request the lookup finds nothing for costs."""
-        return self.drafter.profile_round(n, prefix)
+        return self.drafter.profile_round(n, prefix, pending)
+
+    def pending_rows(self, req: Req) -> int:
+        return self.drafter.pending_rows(req)
 
     @property
     def pools(self) -> list[BlockPool]:

@@ -35,7 +35,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from specserve.speculative.step_costs import CostTable, StepCosts, profile_step_costs
+import numpy as np
+
+from specserve.speculative.step_costs import (
+    STEADY_ROWS,
+    CostTable,
+    StepCosts,
+    profile_step_costs,
+)
 
 if TYPE_CHECKING:  # the planner imports no stage at run time
     from specserve.config import EngineConfig
@@ -93,35 +100,82 @@ def choose_drafts(
     fixed_tokens: int,
     draft_seconds: Callable[[int], float] | None = None,
     margin: float = 0.0,
+    join_seconds: Sequence[float] | None = None,
 ) -> list[int]:
     """Drafts to verify per request, maximising expected tokens per second.
 
     ``survival[i][j - 1]``: S_ij, non-increasing in j. ``step_seconds(T)``:
     the step at T tokens; ``fixed_tokens``: the step's tokens with no drafts
     (every anchor, any prefill). ``draft_seconds(n)``: drafting for n
-    requests (None: already paid). A choice with drafts must beat the plain
-    step by ``margin`` (relative)."""
-    ranked = sorted(
-        (-s, j, i) for i, row in enumerate(survival) for j, s in enumerate(row, start=1)
-    )
-    base = float(len(survival))
-    plain = base / max(step_seconds(fixed_tokens), 1e-12)
-    best, best_b = plain * (1.0 + margin), 0
-    expected, seen, drafting = base, [False] * len(survival), 0
-    for b, (neg, _, i) in enumerate(ranked, start=1):
-        expected -= neg
-        if not seen[i]:
-            seen[i], drafting = True, drafting + 1
-        seconds = step_seconds(fixed_tokens + b)
-        if draft_seconds is not None:
-            seconds += draft_seconds(drafting)
-        rate = expected / max(seconds, 1e-12)
+    requests (None: already paid); ``join_seconds[i]``: what request ``i``
+    adds to it besides (its context to catch up). A choice with drafts must
+    beat the plain step by ``margin`` (relative).
+
+    The global top-B ranks drafts by S alone, so a request dear to join
+    either joins as soon as its first draft ranks or, left out, keeps the
+    others from their later drafts: each of the dearest few is tried left
+    out of the ranking, and stays out where the step is worth more so."""
+    r, counts = len(survival), [len(row) for row in survival]
+    n = sum(counts)
+    steps = np.array([step_seconds(fixed_tokens + b) for b in range(n + 1)])  # [N + 1]
+    drafts = np.zeros(r + 1)  # [R + 1]: by requests drafting
+    if draft_seconds is not None:
+        drafts[:] = [draft_seconds(k) for k in range(r + 1)]
+    join = np.zeros(r) if join_seconds is None else np.asarray(join_seconds, float)
+    # Every draft, ranked: by S descending, then j, then i (a request's first
+    # draft ranks before its others, so it is where the request joins).
+    s = np.fromiter((x for row in survival for x in row), float, n)  # [N]
+    req = np.repeat(np.arange(r), counts)  # [N]
+    pos = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts) + 1  # [N]: j
+    order = np.lexsort((req, pos, -s))
+    ranked = _Ranked(s[order], req[order], pos[order], steps, drafts, join, r, margin)
+    out = np.ones(n, dtype=bool)
+    lengths, best = ranked.best(out)
+    dearest = sorted((-j, i) for i, j in enumerate(join) if j > 0 and counts[i])
+    for _, i in dearest[:MAX_LEFT_OUT]:
+        trial_keep = out & (ranked.req != i)
+        trial, rate = ranked.best(trial_keep)
         if rate > best:
-            best, best_b = rate, b
-    lengths = [0] * len(survival)
-    for _, j, i in ranked[:best_b]:
-        lengths[i] = max(lengths[i], j)
+            lengths, best, out = trial, rate, trial_keep
     return lengths
+
+
+# How many of the requests dearest to join ``choose_drafts`` tries leaving out.
+MAX_LEFT_OUT = 4
+
+
+@dataclass
+class _Ranked:
+    """The drafts of a step ranked for the top-B (``choose_drafts``)."""
+
+    s: np.ndarray  # [N] S_ij, descending
+    req: np.ndarray  # [N] i
+    pos: np.ndarray  # [N] j
+    steps: np.ndarray  # [N + 1]: the step's seconds with b drafts
+    drafts: np.ndarray  # [R + 1]: the drafter's seconds for n requests drafting
+    join: np.ndarray  # [R]: what each request adds to drafting besides
+    requests: int
+    margin: float
+
+    def best(self, keep: np.ndarray) -> tuple[list[int], float]:
+        """The best top-B of the ``keep`` drafts (an exact scan over every B,
+        at once) and its worth: the plain step's (with the margin) if none."""
+        r = self.requests
+        plain = r / max(float(self.steps[0]), 1e-12) * (1.0 + self.margin)
+        s, req, pos = self.s[keep], self.req[keep], self.pos[keep]
+        if not len(s):
+            return [0] * r, plain
+        joins = pos == 1  # [B]
+        drafting = np.cumsum(joins)
+        seconds = self.steps[1 : len(s) + 1] + self.drafts[drafting]
+        seconds += np.cumsum(np.where(joins, self.join[req], 0.0))
+        rate = (r + np.cumsum(s)) / np.maximum(seconds, 1e-12)  # [B]: the worth of b = 1..B
+        b = int(np.argmax(rate))
+        if rate[b] <= plain:
+            return [0] * r, plain
+        chosen = np.zeros(r, dtype=np.int64)
+        np.maximum.at(chosen, req[: b + 1], pos[: b + 1])
+        return chosen.tolist(), float(rate[b])
 
 
 def survival_of(rates: Sequence[float]) -> list[float]:
@@ -131,6 +185,18 @@ def survival_of(rates: Sequence[float]) -> list[float]:
         a *= min(max(r, 0.0), 1.0)
         out.append(a)
     return out
+
+
+def survivals(rates: Sequence[Sequence[float]], limits: Sequence[int]) -> list[list[float]]:
+    """``survival_of`` each request's first ``limits[i]`` rates, all at once."""
+    if not rates:
+        return []
+    width = max(len(r) for r in rates)
+    table = np.ones((len(rates), width))
+    for i, r in enumerate(rates):
+        table[i, : len(r)] = r
+    table = np.cumprod(np.clip(table, 0.0, 1.0), axis=1)
+    return [row[: min(k, len(r))] for row, k, r in zip(table.tolist(), limits, rates)]
 
 
 def static_lengths(confidence: Sequence[Sequence[float]], threshold: float) -> list[int]:
@@ -273,14 +339,17 @@ class SpecPlanner:
         gate: bool = True,
         prior: float = PRIOR,
         draft_costs: CostTable | None = None,
+        draft_row: float = 0.0,
     ):
         """``width``: the most drafts a round verifies; ``gate``: decide before
         drafting (adaptive), else only refine what was drafted;
         ``draft_costs``: the drafter's round by requests, profiled (None:
-        measured online only)."""
+        measured online only); ``draft_row``: the seconds a pending row
+        past ``STEADY_ROWS`` per request adds to a round (``StepCosts``)."""
         self.width = width
         self.costs = costs
         self.draft_costs = draft_costs
+        self.draft_row = draft_row if draft_costs is not None else 0.0
         self.gate = gate
         self.prior = prior
         self.reset()
@@ -440,6 +509,15 @@ class SpecPlanner:
             max(per_bucket[bucket(m)] - base, 0.0) if m else 0.0 for m in range(paid, paid + n + 1)
         ]
 
+    def catch_up_seconds(self, pending: int) -> float:
+        """What a request with ``pending`` rows adds to a round's drafting,
+        corrected as the drafter's round is."""
+        extra = max(pending - STEADY_ROWS, 0)
+        if not extra or not self.draft_row:
+            return 0.0
+        fix = self.draft_correction or self.table_correction
+        return self.draft_row * extra * (math.exp(fix.value) if fix.value else 1.0)
+
     def _cell(self, requests: int, tokens: int) -> tuple[int, int]:
         return bucket(requests), bucket(max(tokens, 1) // max(requests, 1))
 
@@ -452,6 +530,7 @@ class SpecPlanner:
         requests: int,
         extra: int,
         drafting: int = 0,
+        pending: Sequence[int] | None = None,
     ) -> list[int]:
         """Drafts each decoding request will verify next step, before drafting.
 
@@ -459,18 +538,20 @@ class SpecPlanner:
         ``requests``: the next step's requests (decoding ones included);
         ``extra``: its tokens other than these requests' anchors (prefill,
         pinned chains); ``drafting``: requests drafting whatever is chosen
-        (pinned), whose drafter forward is paid already."""
+        (pinned), whose drafter forward is paid already; ``pending``: each
+        request's rows to take into the drafter's context first."""
         if not self.gate:
             return list(limits)
         if self.regime(requests) == PLAIN:
             self.stats.forced_plain += 1
             return [0] * len(owns)
-        survival = [survival_of(self.estimates(o)[:k]) for o, k in zip(owns, limits)]
+        survival = survivals([self.estimates(o) for o in owns], limits)
         fixed = len(owns) + extra
         curve = self.step_curve(requests, fixed, sum(limits) + 1)
         draft = self._draft_curve(drafting, len(owns))
+        join = None if pending is None else [self.catch_up_seconds(p) for p in pending]
         lengths = choose_drafts(
-            survival, lambda t: curve[t - fixed], fixed, draft.__getitem__, MARGIN
+            survival, lambda t: curve[t - fixed], fixed, draft.__getitem__, MARGIN, join
         )
         if not any(lengths):  # nobody verifies: the engine's estimates recover
             self.rates = [r + DRIFT * (self.prior - r) for r in self.rates]
@@ -497,11 +578,16 @@ class SpecPlanner:
 
     # ---- measurements ----------------------------------------------------------------
 
-    def observe_draft(self, n: int, seconds: float) -> None:
+    def observe_draft(self, n: int, seconds: float, pending: int = 0) -> None:
+        """A round for ``n`` requests in ``seconds``, with ``pending`` rows past
+        ``STEADY_ROWS`` per request to catch up in all (measured online
+        only: only rounds without any are)."""
         if self.draft_costs is None:
-            self.draft_cost.setdefault(bucket(n), _Ewma()).add(seconds)
+            if not pending:
+                self.draft_cost.setdefault(bucket(n), _Ewma()).add(seconds)
             return
-        x = math.log(max(seconds, 1e-12) / max(self.draft_costs(n, n), 1e-12))
+        predicted = self.draft_costs(n, n) + self.draft_row * pending
+        x = math.log(max(seconds, 1e-12) / max(predicted, 1e-12))
         start = (self.draft_correction or self.table_correction).value
         if self.draft_correction is None:
             self.draft_correction = _Ewma(value=start)
@@ -564,4 +650,6 @@ def build_planner(
         costs = profile_step_costs(runner, proposer, config.scheduler.max_running_requests)
         if path:  # profiled once, reused by later starts
             costs.save(path)
-    return SpecPlanner(width, costs.target, gate=spec.adaptive, draft_costs=costs.draft)
+    return SpecPlanner(
+        width, costs.target, gate=spec.adaptive, draft_costs=costs.draft, draft_row=costs.draft_row
+    )

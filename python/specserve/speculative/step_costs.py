@@ -1,6 +1,7 @@
 """What a step costs: the target's forward over (running requests, step
-tokens) and the drafter's round over requests, profiled at start-up on the
-code real steps run, or read from a file."""
+tokens), the drafter's round over requests and what each committed
+position it takes into its context beyond a steady round's adds, profiled
+at start-up on the code real steps run, or read from a file."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:  # profiled through the runner, imported by no stage at run time
@@ -45,21 +47,15 @@ class CostTable:
         tokens: the counts interpolated once, then each along the chains."""
         requests = max(requests, 1)
         at = [_lerp(self.counts, col, requests) for col in zip(*self.times)]
+        x = np.maximum(np.arange(first, first + n), requests) / requests  # tokens per request
         xs = self.chains
         if len(xs) == 1:
-            return [
-                max(_lerp(xs, at, max(t, requests) / requests), 1e-9)
-                for t in range(first, first + n)
-            ]
-        # The tokens only grow: walk the chain segments instead of searching each.
-        out, i = [], 1
-        for t in range(first, first + n):
-            x = max(t, requests) / requests
-            while i < len(xs) - 1 and x > xs[i]:
-                i += 1
-            x0, x1, y0 = xs[i - 1], xs[i], at[i - 1]
-            out.append(max(y0 + (at[i] - y0) * (x - x0) / (x1 - x0), 1e-9))
-        return out
+            return np.maximum(at[0] * np.maximum(x / xs[0], 1.0), 1e-9).tolist()
+        out = np.interp(x, xs, at)
+        below, above = x < xs[0], x > xs[-1]  # linear past either end, as its end segment
+        out[below] = at[0] + (at[1] - at[0]) / (xs[1] - xs[0]) * (x[below] - xs[0])
+        out[above] = at[-1] + (at[-1] - at[-2]) / (xs[-1] - xs[-2]) * (x[above] - xs[-1])
+        return np.maximum(out, 1e-9).tolist()
 
     def to_dict(self) -> dict:
         return {"counts": self.counts, "chains": self.chains, "seconds": self.times}
@@ -67,11 +63,14 @@ class CostTable:
 
 @dataclass
 class StepCosts:
-    """The cost model's tables: the target's step, and the drafter's round
-    by requests (None: measured online)."""
+    """The cost model's tables: the target's step, the drafter's round by
+    requests (None: measured online), and the seconds each pending row
+    (``Proposer.pending_rows``) past ``STEADY_ROWS`` per request adds to a
+    round: a prompt's, or the positions of steps the request did not draft."""
 
     target: CostTable
     draft: CostTable | None = None
+    draft_row: float = 0.0
 
     @classmethod
     def load(cls, path: str) -> StepCosts:
@@ -84,7 +83,7 @@ class StepCosts:
             draft = raw.get("draft_seconds")
             if draft is not None:
                 draft = CostTable(raw["counts"], [1], [[t] for t in draft])
-            return cls(target, draft)
+            return cls(target, draft, float(raw.get("draft_row_seconds", 0.0)))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(
                 f"speculative_dspark_sps_table_path: cannot read a cost table from {path!r}: {e!r}"
@@ -94,6 +93,7 @@ class StepCosts:
         raw = self.target.to_dict()
         if self.draft is not None:  # at the target's counts (past the profiled: linear)
             raw["draft_seconds"] = [self.draft(n, n) for n in self.target.counts]
+            raw["draft_row_seconds"] = self.draft_row
         with open(path, "w") as f:
             json.dump(raw, f, indent=1)
 
@@ -142,6 +142,21 @@ def profile_costs(
 
 # Cached positions before each chain when profiling step costs.
 PROFILE_PREFIX = 256
+# Pending rows per request of a profiled (steady) round: what one round commits.
+STEADY_ROWS = 2
+# The pending rows of the round that prices one more.
+CATCH_UP_ROWS = 64
+
+
+def median_seconds(fn: Callable[[], None], repeats: int = 5) -> float:
+    """``fn``'s median time after one warm-up call."""
+    fn()
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
 
 
 def profile_step_costs(runner: ModelRunner, proposer: Proposer, max_running: int) -> StepCosts:
@@ -160,18 +175,27 @@ def profile_step_costs(runner: ModelRunner, proposer: Proposer, max_running: int
         lambda n, c: runner.verify_forward(n * c, c, prefix, capture), counts, chains
     )
     # The drafter at the counts its pool holds (the table goes on linearly).
-    rounds = {n: r for n in counts if (r := proposer.profile_round(n, prefix)) is not None}
-    draft = None
+    rounds = {
+        n: r for n in counts if (r := proposer.profile_round(n, prefix, STEADY_ROWS)) is not None
+    }
+    draft, row = None, 0.0
     if 1 in rounds:
         draft = profile_costs(lambda n, _: rounds[n](), sorted(rounds), [1])
+        catch_up = proposer.profile_round(1, prefix, CATCH_UP_ROWS)
+        if catch_up is not None:
+            with torch.inference_mode():
+                more = median_seconds(catch_up) - median_seconds(rounds[1])
+            row = max(more, 0.0) / (CATCH_UP_ROWS - STEADY_ROWS)
     logger.info(
         "step costs profiled in %.1fs (ms by requests x tokens per request %s%s): %s",
         time.perf_counter() - start,
         chains,
-        ", then the drafter's round" if draft is not None else "",
+        f", then the drafter's round (+{1e6 * row:.1f} us per pending row)"
+        if draft is not None
+        else "",
         json.dumps({
             n: [round(1e3 * t, 2) for t in row] + ([round(1e3 * draft(n, n), 2)] if draft else [])
             for n, row in zip(counts, target.times)
         }),
     )  # fmt: skip
-    return StepCosts(target, draft)
+    return StepCosts(target, draft, row)
