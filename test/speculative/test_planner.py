@@ -216,9 +216,10 @@ def test_a_profiled_drafter_prices_every_load_and_is_corrected_online() -> None:
 
 def test_a_request_with_context_to_catch_up_drafts_only_where_it_pays() -> None:
     """Taking committed positions into the drafter's context costs per row
-    (a prompt, or the steps a request did not draft). Two requests alike
-    but for that: only the one with nothing to catch up drafts; rounds that
-    caught up as priced leave the drafter's correction where it was."""
+    (a prompt, or the steps a request did not draft), once for the rounds
+    the request has left. Two requests alike but for that: only the one
+    with nothing to catch up drafts its last round; rounds that caught up as
+    priced leave the drafter's correction where it was."""
     draft = CostTable([1, 2], [1], [[0.002], [0.003]])
     planner = SpecPlanner(
         4,
@@ -228,8 +229,13 @@ def test_a_request_with_context_to_catch_up_drafts_only_where_it_pays() -> None:
     )
     owns, limits = [[0.6] * 4, [0.6] * 4], [4, 4]
     assert planner.before_draft(owns, limits, 2, 0, pending=[2, 2]) == [4, 4]
-    assert planner.before_draft(owns, limits, 2, 0, pending=[2, 102]) == [4, 0]
-    assert planner.catch_up_seconds(102) == pytest.approx(0.04)
+    assert planner.before_draft(owns, limits, 2, 0, pending=[2, 22]) == [4, 0]
+    # Paid once for the rounds a request has left: a long one drafts anyway.
+    assert planner.before_draft(owns, limits, 2, 0, pending=[2, 22], remaining=[1000] * 2) == [
+        4,
+        4,
+    ]
+    assert planner.catch_up_seconds(22) == pytest.approx(0.008)
     for _ in range(20):  # as priced: a steady round, and one catching up 100 rows
         planner.observe_draft(1, 0.002)
         planner.observe_draft(1, 0.042, pending=100)
@@ -371,10 +377,15 @@ def test_estimates_follow_acceptance_and_calibrate_confidences() -> None:
 def test_estimates_recover_while_nobody_drafts() -> None:
     """Rejections at high load must not keep a later, lighter load from
     speculating: while every step is plain, the engine's estimates move back
-    to the prior, and a table on which drafts pay gets them again."""
+    to the prior (slowly: acceptance does not change with load, and a few
+    dozen plain steps must not make every draft look likely), and a table
+    on which drafts pay gets them again."""
     steep = SpecPlanner(4, CostTable([1, 64], [1, 8], [[1.0, 8.0], [64.0, 512.0]]))
     steep.rates = [0.05] * 4
-    for _ in range(100):
+    for _ in range(30):
+        assert not any(steep.before_draft([None], [4], 1, 0))
+    assert steep.rates[0] < 0.2
+    for _ in range(1000):
         assert not any(steep.before_draft([None], [4], 1, 0))
     assert steep.rates == pytest.approx([PRIOR] * 4, abs=0.01)
     flat = flat_planner()
@@ -395,7 +406,7 @@ class Alternating(SpecPlanner):
         super().__init__(width, CostTable([1], [1], [[1.0]]))
         self.calls = 0
 
-    def before_draft(self, owns, limits, requests, extra, drafting=0, pending=None):
+    def before_draft(self, owns, limits, requests, extra, drafting=0, **_):
         self.calls += 1
         return list(limits) if self.calls % 2 else [0] * len(limits)
 

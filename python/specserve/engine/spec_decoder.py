@@ -90,6 +90,7 @@ class SpecDecoder:
                 extra,
                 drafting=len(todo) - len(free),
                 pending=[pending[k] for k in free],
+                remaining=[todo[k].sampling.max_new_tokens - len(todo[k].output_ids) for k in free],
             )
             chosen = list(limits)
             for k, n in zip(free, picks):

@@ -55,10 +55,19 @@ ALPHA = 0.1
 # cost of being wrong: the drafter's forward for nothing).
 MARGIN = 0.02
 # Per step, a request not drafting moves its estimates this far toward the
-# engine-wide ones, and those (when nobody drafts) toward the prior: an
-# estimate that went stale at high load recovers, and is measured again once
-# the costs let it draft.
+# engine-wide ones: an estimate that went stale at high load recovers, and
+# is measured again once the costs let it draft.
 DRIFT = 0.05
+# Per step that nobody drafts, the engine-wide estimates move this far
+# toward the prior: acceptance does not change with the load (the costs
+# decide that nobody drafts), but an engine that measured it low early must
+# try again some time. (At DRIFT, a few dozen plain steps under load made
+# every draft look likely and started rounds that lost.)
+PRIOR_DRIFT = 0.005
+# A request's context to catch up is paid once for this many rounds at
+# most (fewer if it has fewer left): the regime may turn plain after a
+# block of steps, and the next catch-up is paid again.
+CATCH_UP_ROUNDS = 8
 # How the drafter's seconds grow per doubling of its requests, in log2,
 # while only one bucket is measured (0: flat, 1: linear).
 DRAFT_SLOPE = 0.5
@@ -531,6 +540,7 @@ class SpecPlanner:
         extra: int,
         drafting: int = 0,
         pending: Sequence[int] | None = None,
+        remaining: Sequence[int] | None = None,
     ) -> list[int]:
         """Drafts each decoding request will verify next step, before drafting.
 
@@ -539,7 +549,10 @@ class SpecPlanner:
         ``extra``: its tokens other than these requests' anchors (prefill,
         pinned chains); ``drafting``: requests drafting whatever is chosen
         (pinned), whose drafter forward is paid already; ``pending``: each
-        request's rows to take into the drafter's context first."""
+        request's rows to take into the drafter's context first, a cost paid
+        once for the rounds it has left (``remaining`` tokens at most, at
+        its expected tokens per round; ``CATCH_UP_ROUNDS`` at most), and so
+        priced per round."""
         if not self.gate:
             return list(limits)
         if self.regime(requests) == PLAIN:
@@ -549,12 +562,18 @@ class SpecPlanner:
         fixed = len(owns) + extra
         curve = self.step_curve(requests, fixed, sum(limits) + 1)
         draft = self._draft_curve(drafting, len(owns))
-        join = None if pending is None else [self.catch_up_seconds(p) for p in pending]
+        join = None
+        if pending is not None:
+            left = remaining or [1] * len(pending)
+            join = [
+                self.catch_up_seconds(p) / min(max(n / (1 + sum(s)), 1.0), CATCH_UP_ROUNDS)
+                for p, s, n in zip(pending, survival, left)
+            ]
         lengths = choose_drafts(
             survival, lambda t: curve[t - fixed], fixed, draft.__getitem__, MARGIN, join
         )
         if not any(lengths):  # nobody verifies: the engine's estimates recover
-            self.rates = [r + DRIFT * (self.prior - r) for r in self.rates]
+            self.rates = [r + PRIOR_DRIFT * (self.prior - r) for r in self.rates]
         return lengths
 
     def after_draft(
