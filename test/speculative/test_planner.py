@@ -382,7 +382,7 @@ def test_estimates_recover_while_nobody_drafts() -> None:
     on which drafts pay gets them again."""
     steep = SpecPlanner(4, CostTable([1, 64], [1, 8], [[1.0, 8.0], [64.0, 512.0]]))
     steep.rates = [0.05] * 4
-    for _ in range(30):
+    for _ in range(10):
         assert not any(steep.before_draft([None], [4], 1, 0))
     assert steep.rates[0] < 0.2
     for _ in range(1000):

@@ -63,7 +63,7 @@ DRIFT = 0.05
 # decide that nobody drafts), but an engine that measured it low early must
 # try again some time. (At DRIFT, a few dozen plain steps under load made
 # every draft look likely and started rounds that lost.)
-PRIOR_DRIFT = 0.005
+PRIOR_DRIFT = 0.02
 # A request's context to catch up is paid once for this many rounds at
 # most (fewer if it has fewer left): the regime may turn plain after a
 # block of steps, and the next catch-up is paid again.
