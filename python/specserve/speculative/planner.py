@@ -184,7 +184,7 @@ class _Ranked:
             return [0] * r, plain
         chosen = np.zeros(r, dtype=np.int64)
         np.maximum.at(chosen, req[: b + 1], pos[: b + 1])
-        return chosen.tolist(), float(rate[b])
+        return chosen.tolist(), float(rate[b])  # host read: numpy, no device
 
 
 def survival_of(rates: Sequence[float]) -> list[float]:
@@ -205,7 +205,8 @@ def survivals(rates: Sequence[Sequence[float]], limits: Sequence[int]) -> list[l
     for i, r in enumerate(rates):
         table[i, : len(r)] = r
     table = np.cumprod(np.clip(table, 0.0, 1.0), axis=1)
-    return [row[: min(k, len(r))] for row, k, r in zip(table.tolist(), limits, rates)]
+    rows = table.tolist()  # host read: numpy, no device
+    return [row[: min(k, len(r))] for row, k, r in zip(rows, limits, rates)]
 
 
 def static_lengths(confidence: Sequence[Sequence[float]], threshold: float) -> list[int]:

@@ -50,12 +50,13 @@ class CostTable:
         x = np.maximum(np.arange(first, first + n), requests) / requests  # tokens per request
         xs = self.chains
         if len(xs) == 1:
-            return np.maximum(at[0] * np.maximum(x / xs[0], 1.0), 1e-9).tolist()
+            one = at[0] * np.maximum(x / xs[0], 1.0)
+            return np.maximum(one, 1e-9).tolist()  # host read: numpy, no device
         out = np.interp(x, xs, at)
         below, above = x < xs[0], x > xs[-1]  # linear past either end, as its end segment
         out[below] = at[0] + (at[1] - at[0]) / (xs[1] - xs[0]) * (x[below] - xs[0])
         out[above] = at[-1] + (at[-1] - at[-2]) / (xs[-1] - xs[-2]) * (x[above] - xs[-1])
-        return np.maximum(out, 1e-9).tolist()
+        return np.maximum(out, 1e-9).tolist()  # host read: numpy, no device
 
     def to_dict(self) -> dict:
         return {"counts": self.counts, "chains": self.chains, "seconds": self.times}
