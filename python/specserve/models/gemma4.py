@@ -42,6 +42,7 @@ from specserve.layers.parallel import (
 )
 from specserve.layers.rotary import RotaryEmbedding
 from specserve.models.decoder import DecoderMLP
+from specserve.models.deepseek_v4 import pack_weights
 from specserve.models.gemma4_config import Gemma4Config
 
 # Parts of a multimodal checkpoint that are not the language model.
@@ -278,9 +279,7 @@ class Gemma4ForCausalLM(nn.Module):
         raise ValueError("enable_torch_compile: not supported for Gemma 4 yet")
 
     def post_load(self) -> None:
-        for m in self.modules():
-            if isinstance(m, (Linear, RoutedExperts)):
-                m.post_load()
+        pack_weights(self)
         self.model.embed_tokens.post_load()
         self.lm_head.post_load()
 
