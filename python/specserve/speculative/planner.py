@@ -124,12 +124,25 @@ def choose_drafts(
     either joins as soon as its first draft ranks or, left out, keeps the
     others from their later drafts: each of the dearest few is tried left
     out of the ranking, and stays out where the step is worth more so."""
+    r, n = len(survival), sum(map(len, survival))
+    steps = [step_seconds(fixed_tokens + b) for b in range(n + 1)]
+    drafts = None if draft_seconds is None else [draft_seconds(k) for k in range(r + 1)]
+    return choose_from_costs(survival, steps, drafts, margin, join_seconds)
+
+
+def choose_from_costs(
+    survival: Sequence[Sequence[float]],
+    steps: Sequence[float],
+    drafts: Sequence[float] | None = None,
+    margin: float = 0.0,
+    join_seconds: Sequence[float] | None = None,
+) -> list[int]:
+    """``choose_drafts`` over costs listed: ``steps[b]``, the step with b
+    drafts in all; ``drafts[k]``, drafting for k requests."""
     r, counts = len(survival), [len(row) for row in survival]
     n = sum(counts)
-    steps = np.array([step_seconds(fixed_tokens + b) for b in range(n + 1)])  # [N + 1]
-    drafts = np.zeros(r + 1)  # [R + 1]: by requests drafting
-    if draft_seconds is not None:
-        drafts[:] = [draft_seconds(k) for k in range(r + 1)]
+    steps = np.asarray(steps, float)  # [N + 1]
+    drafts = np.zeros(r + 1) if drafts is None else np.asarray(drafts, float)  # [R + 1]
     join = np.zeros(r) if join_seconds is None else np.asarray(join_seconds, float)
     # Every draft, ranked: by S descending, then j, then i (a request's first
     # draft ranks before its others, so it is where the request joins).
@@ -570,9 +583,7 @@ class SpecPlanner:
                 self.catch_up_seconds(p) / min(max(n / (1 + sum(s)), 1.0), CATCH_UP_ROUNDS)
                 for p, s, n in zip(pending, survival, left)
             ]
-        lengths = choose_drafts(
-            survival, lambda t: curve[t - fixed], fixed, draft.__getitem__, MARGIN, join
-        )
+        lengths = choose_from_costs(survival, curve, draft, MARGIN, join)
         if not any(lengths):  # nobody verifies: the engine's estimates recover
             self.rates = [r + PRIOR_DRIFT * (self.prior - r) for r in self.rates]
         return lengths
@@ -583,7 +594,7 @@ class SpecPlanner:
         """Refines the lengths of what was drafted (its cost is paid);
         ``fixed_tokens``: the next step's tokens with no drafts."""
         curve = self.step_curve(requests, fixed_tokens, sum(map(len, survival)) + 1)
-        return choose_drafts(survival, lambda t: curve[t - fixed_tokens], fixed_tokens)
+        return choose_from_costs(survival, curve)
 
     def regime(self, requests: int) -> str:
         """Who decides the next step (at ``requests`` running): the block in

@@ -38,15 +38,27 @@ class CostTable:
             raise ValueError("a cost table needs positive seconds for every profiled cell")
         self.counts, self.chains = list(counts), list(chains)
         self.times = [list(row) for row in times]
+        self._columns = [list(col) for col in zip(*self.times)]
+        self._at: dict[int, list[float]] = {}  # by requests: the chains' seconds there
 
     def __call__(self, requests: int, tokens: int) -> float:
-        return self.curve(requests, tokens, 1)[0]
+        requests = max(requests, 1)
+        x = max(tokens, requests) / requests  # tokens per request
+        return max(_lerp(self.chains, self.at(requests), x), 1e-9)
+
+    def at(self, requests: int) -> list[float]:
+        """Seconds of each profiled chain at ``requests`` (interpolated across
+        the counts once per count asked: the planner asks every step)."""
+        at = self._at.get(requests)
+        if at is None:
+            at = self._at[requests] = [_lerp(self.counts, col, requests) for col in self._columns]
+        return at
 
     def curve(self, requests: int, first: int, n: int) -> list[float]:
         """Seconds at ``requests`` of ``first``, ``first + 1`` .. ``first + n - 1``
         tokens: the counts interpolated once, then each along the chains."""
         requests = max(requests, 1)
-        at = [_lerp(self.counts, col, requests) for col in zip(*self.times)]
+        at = self.at(requests)
         x = np.maximum(np.arange(first, first + n), requests) / requests  # tokens per request
         xs = self.chains
         if len(xs) == 1:
