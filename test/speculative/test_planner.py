@@ -13,9 +13,11 @@ from models_zoo import model_path, random_prompts
 from specserve import Engine
 from specserve.speculative.planner import (
     BLOCK_STEPS,
+    EXPLORE_LOSS,
     EXPLORE_MAX,
     EXPLORE_MIN,
     PRIOR,
+    PROBE_STEPS,
     SpecPlanner,
     choose_drafts,
     load_bucket,
@@ -263,11 +265,17 @@ def run_steps(planner: SpecPlanner, steps: int, spec: tuple, plain: tuple, reque
     return out
 
 
-def blocks(spoke: list[bool]) -> list[bool]:
-    """Whether each block of BLOCK_STEPS steps speculated (a block is one regime)."""
-    chunks = [spoke[i : i + BLOCK_STEPS] for i in range(0, len(spoke), BLOCK_STEPS)]
-    assert all(len(set(c)) == 1 for c in chunks), "a block mixes regimes"
-    return [c[0] for c in chunks]
+def run_blocks(planner: SpecPlanner, steps: int, spec: tuple, plain: tuple) -> list[bool]:
+    """``run_steps``, as the blocks begun in them (a block is one regime's:
+    whether it speculated)."""
+    out, seen = [], planner.block
+    for _ in range(steps):
+        [drafted] = run_steps(planner, 1, spec, plain)
+        if planner.block is not seen:
+            seen = planner.block
+            out.append(drafted)
+        assert not out or drafted == out[-1], "a block mixes regimes"
+    return out
 
 
 def waits(spoke: list[bool], explored: bool) -> list[int]:
@@ -293,30 +301,37 @@ def test_the_net_turns_a_losing_bucket_plain_and_explores_it_by_its_loss() -> No
     the bucket is plain, and the model's blocks grow rarer as they keep
     losing: the wait doubles per block measured, up to EXPLORE_MAX."""
     planner = flat_planner()
-    steps = BLOCK_STEPS * (2 + sum(DOUBLING) + len(DOUBLING) + EXPLORE_MAX + 1)
-    spoke = blocks(run_steps(planner, steps, spec=(4, 2.0), plain=(4, 1.0)))
-    assert spoke[:2] == [True, False]  # each regime measured once
+    # Whole blocks: the first plain one is a probe.
+    steps = BLOCK_STEPS * (1 + sum(DOUBLING) + len(DOUBLING) + EXPLORE_MAX + 1) + PROBE_STEPS
+    spoke = run_blocks(planner, steps, spec=(4, 2.0), plain=(4, 1.0))
+    assert spoke[:2] == [True, False]  # each regime measured once (plain: a probe)
     assert waits(spoke[2:], True) == [*DOUBLING, EXPLORE_MAX]
-    assert planner.stats.forced_plain == BLOCK_STEPS * spoke.count(False)
+    assert planner.stats.forced_plain == steps - BLOCK_STEPS * spoke.count(True)
     # Another load bucket is not affected: it measures the model first.
     assert run_steps(planner, 1, spec=(4, 2.0), plain=(4, 1.0), requests=16) == [True]
 
 
-def test_a_winning_model_keeps_its_bucket_and_plain_is_measured_rarely() -> None:
+def test_a_winning_model_keeps_its_bucket_and_plain_is_probed_rarely() -> None:
+    """Plain, losing by half, is measured in probes of PROBE_STEPS steps;
+    each costs a quarter of a block's loss, so they come four times as
+    often as a losing model's blocks would (past the doubling)."""
     planner = flat_planner()
     steps = BLOCK_STEPS * (2 + sum(DOUBLING) + len(DOUBLING))
-    spoke = blocks(run_steps(planner, steps, spec=(16, 2.0), plain=(4, 1.0)))
+    spoke = run_blocks(planner, steps, spec=(16, 2.0), plain=(4, 1.0))
     assert spoke[:2] == [True, False]
-    assert waits(spoke[2:], False) == DOUBLING
+    by_loss = round(1.0 * PROBE_STEPS / BLOCK_STEPS / EXPLORE_LOSS)
+    expected = [min(w, by_loss) for w in DOUBLING]
+    assert waits(spoke[2:], False)[: len(expected)] == expected
+    assert planner.stats.forced_plain == PROBE_STEPS * spoke.count(False)
 
 
 def test_one_slow_block_does_not_condemn_a_regime_for_long() -> None:
     """Plain's only block was slow (a stall): the model leads, but plain is
     measured again within EXPLORE_MIN blocks, and its real goodput wins."""
     planner = flat_planner()
-    spoke = blocks(run_steps(planner, BLOCK_STEPS, spec=(4, 1.0), plain=(4, 1.0)))
-    spoke += blocks(run_steps(planner, BLOCK_STEPS, spec=(4, 1.0), plain=(4, 10.0)))
-    spoke += blocks(run_steps(planner, BLOCK_STEPS * 40, spec=(4, 1.2), plain=(4, 1.0)))
+    spoke = run_blocks(planner, BLOCK_STEPS, spec=(4, 1.0), plain=(4, 1.0))
+    spoke += run_blocks(planner, PROBE_STEPS, spec=(4, 1.0), plain=(4, 10.0))
+    spoke += run_blocks(planner, BLOCK_STEPS * 40, spec=(4, 1.2), plain=(4, 1.0))
     assert spoke[:2] == [True, False]
     assert spoke[2 + EXPLORE_MIN] is False  # measured again soon
     # Plain's real goodput wins the bucket: the stall is one block of its last few.
@@ -327,10 +342,10 @@ def test_one_slow_block_does_not_condemn_a_regime_for_long() -> None:
 def test_a_close_race_is_explored_often_and_a_tie_goes_plain() -> None:
     planner = flat_planner()
     # 3% apart: below EXPLORE_MIN blocks' worth of loss, so every EXPLORE_MIN.
-    spoke = blocks(run_steps(planner, BLOCK_STEPS * 20, spec=(4, 1.03), plain=(4, 1.0)))
+    spoke = run_blocks(planner, BLOCK_STEPS * 20, spec=(4, 1.03), plain=(4, 1.0))
     assert spoke[2 : 2 + 2 * EXPLORE_MIN + 2] == ([False] * EXPLORE_MIN + [True]) * 2
     tie = flat_planner()
-    spoke = blocks(run_steps(tie, BLOCK_STEPS * 6, spec=(4, 1.0), plain=(4, 1.0)))
+    spoke = run_blocks(tie, BLOCK_STEPS * 6, spec=(4, 1.0), plain=(4, 1.0))
     assert spoke[2:5] == [False] * 3  # speculation must win by NET_MARGIN
 
 

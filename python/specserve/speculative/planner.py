@@ -21,9 +21,10 @@ steps run, corrected online per cell by an EWMA of log(measured / table)
 (a cell never measured: its row's, else the whole table's);
 the draft cost is measured online (priced by a power law where it was
 not). A safety net measures what the engine delivers under the model's
-decisions and under plain steps alone, in blocks of steps per load bucket,
-and gives a bucket to the model only while it measures more goodput there;
-the loser runs a block now and then, less often the more it loses by.
+decisions and under plain steps alone, in blocks of steps per load bucket
+(short probes for plain while the model leads), and gives a bucket to the
+model only while it measures more goodput there; the loser runs a block
+now and then, less often the more it loses by.
 """
 
 from __future__ import annotations
@@ -91,9 +92,17 @@ MAX_CORRECTION = 16.0
 # goes plain: speculation must not cost throughput). The loser runs one
 # block every `wait` blocks, `wait` set so that exploring costs about
 # EXPLORE_LOSS of the winner's goodput (a loser that loses by 20% waits 20
-# blocks), within [EXPLORE_MIN, EXPLORE_MAX] and doubling at most per
-# exploration. The model runs the first block, plain the second.
+# blocks; a plain probe, a quarter of a block, 5), within [EXPLORE_MIN,
+# EXPLORE_MAX] and doubling at most per exploration. The model runs the
+# first block, plain the second.
 BLOCK_STEPS = 16
+# Plain measured beside a model that leads (or is not judged yet) runs
+# this many steps, a probe: a plain step's goodput depends on neither the
+# text nor a drafter's state, so a few steps measure it, and at low load
+# each costs what speculation gains (a block of 16 plain steps every 4
+# blocks lost 10% of a 1.4x lead at one client). The model's blocks stay
+# whole: the first round after plain steps catches the drafter up.
+PROBE_STEPS = 4
 NET_RECENT = 5
 NET_MARGIN = 0.05
 EXPLORE_LOSS = 0.01
@@ -307,13 +316,20 @@ class _SafetyNet:
             # A long wait needs several pairs: it at most doubles per
             # exploration (one slow block must not condemn a regime for long).
             known = EXPLORE_MIN << (self.pairs // 2)
-            wait = min(round(gap / EXPLORE_LOSS), known, EXPLORE_MAX)
+            share = self.block_steps(MODEL if leader == PLAIN else PLAIN) / BLOCK_STEPS
+            wait = min(round(gap * share / EXPLORE_LOSS), known, EXPLORE_MAX)
             self.countdown = max(wait, EXPLORE_MIN)
         if self.countdown > 0:
             self.countdown -= 1
             return leader
         self.countdown = None
         return PLAIN if leader == MODEL else MODEL
+
+    def block_steps(self, regime: str) -> int:
+        """The steps of a block of ``regime``: a probe for plain beside a model
+        that leads or is not judged yet."""
+        probe = regime == PLAIN and (not self.ratios or self.winner() == MODEL)
+        return PROBE_STEPS if probe else BLOCK_STEPS
 
 
 @dataclass
@@ -322,6 +338,7 @@ class _Block:
 
     net: _SafetyNet
     regime: str
+    length: int  # its steps in all
     steps: int = 0
     tokens: int = 0
     seconds: float = 0.0
@@ -600,11 +617,12 @@ class SpecPlanner:
         """Who decides the next step (at ``requests`` running): the block in
         progress's regime, or a new block's, its bucket's choice."""
         block = self.block
-        if block is None or block.steps >= BLOCK_STEPS:
+        if block is None or block.steps >= block.length:
             if block is not None:
                 block.net.add(block.regime, block.tokens / max(block.seconds, 1e-12))
             net = self.nets.setdefault(load_bucket(requests), _SafetyNet())
-            block = self.block = _Block(net, net.next_regime())
+            regime = net.next_regime()
+            block = self.block = _Block(net, regime, net.block_steps(regime))
         return block.regime
 
     # ---- measurements ----------------------------------------------------------------

@@ -157,8 +157,10 @@ def profile_costs(
 PROFILE_PREFIX = 256
 # Pending rows per request of a profiled (steady) round: what one round commits.
 STEADY_ROWS = 2
-# The pending rows of the round that prices one more.
+# The pending rows per request of the round that prices one more, and its
+# requests (at most).
 CATCH_UP_ROWS = 64
+CATCH_UP_REQUESTS = 8
 
 
 def median_seconds(fn: Callable[[], None], repeats: int = 5) -> float:
@@ -194,11 +196,13 @@ def profile_step_costs(runner: ModelRunner, proposer: Proposer, max_running: int
     draft, row = None, 0.0
     if 1 in rounds:
         draft = profile_costs(lambda n, _: rounds[n](), sorted(rounds), [1])
-        catch_up = proposer.profile_round(1, prefix, CATCH_UP_ROWS)
+        # Over several requests' rows: one request's are within the noise.
+        n = max(c for c in rounds if c <= CATCH_UP_REQUESTS)
+        catch_up = proposer.profile_round(n, prefix, CATCH_UP_ROWS)
         if catch_up is not None:
             with torch.inference_mode():
-                more = median_seconds(catch_up) - median_seconds(rounds[1])
-            row = max(more, 0.0) / (CATCH_UP_ROWS - STEADY_ROWS)
+                more = median_seconds(catch_up) - median_seconds(rounds[n])
+            row = max(more, 0.0) / (n * (CATCH_UP_ROWS - STEADY_ROWS))
     logger.info(
         "step costs profiled in %.1fs (ms by requests x tokens per request %s%s): %s",
         time.perf_counter() - start,
