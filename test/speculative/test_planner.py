@@ -360,6 +360,29 @@ def test_every_step_counts_in_its_regimes_block() -> None:
     assert (block.regime, block.steps, block.tokens, block.seconds) == ("model", 2, 16, 6.0)
 
 
+def test_the_net_credits_a_round_its_expected_tokens_not_its_own() -> None:
+    """A block's text must not decide a regime: a round counts in its block
+    at what rounds of its length commit on average (per position, the share
+    of the rounds that reached it and accepted it), whatever it committed."""
+    planner = flat_planner()
+    pattern = [0, 2, 4, 4] * 16  # drafts accepted of 4, round by round
+    for accepted in pattern:
+        planner.observe_round(None, 4, accepted, None)
+        planner.observe_step(1, 5, 1, 4, accepted + 1, 1.0, 0.0)  # no block yet
+    expected, run = 1.0, 1.0
+    for j in range(4):
+        reached = [a for a in pattern if a >= j]  # position j verified
+        run *= sum(a > j for a in reached) / len(reached)
+        expected += run
+    assert planner.expected_tokens(4) == pytest.approx(expected)  # 3.5
+    for accepted in (0, 4):  # a round of hard text, one of easy text
+        assert any(planner.before_draft([[0.9] * 4], [4], 1, 0))
+        start = planner.block.tokens
+        planner.observe_round(None, 4, accepted, None)
+        planner.observe_step(1, 5, 1, 4, accepted + 1, 1.0, 0.0)
+        assert planner.block.tokens - start == pytest.approx(expected, rel=0.02)
+
+
 def test_reset_forgets_what_was_learnt_but_keeps_the_table() -> None:
     planner = flat_planner()
     run_steps(planner, BLOCK_STEPS * 3, spec=(4, 2.0), plain=(4, 1.0))

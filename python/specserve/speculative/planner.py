@@ -107,6 +107,13 @@ NET_RECENT = 5
 NET_MARGIN = 0.05
 EXPLORE_LOSS = 0.01
 EXPLORE_MIN, EXPLORE_MAX = 4, 64
+# The net credits a verify round the tokens such rounds commit on average
+# (the acceptance per position over about this many rounds), not its own:
+# at one request a block's tokens went 1.5-4.5 a round with the text, so
+# adjacent blocks' ratios went 0.7-2.3 around a lead of 1.25, and a bucket
+# the model led went plain by chance. The regimes' costs, which the net is
+# there to judge, are measured as they are.
+NET_ROUNDS = 64
 
 
 # ---- the decision ----------------------------------------------------------------------
@@ -270,6 +277,22 @@ class _Ewma:
         self.count += 1
 
 
+@dataclass
+class _Mean:
+    """The mean of what was added, then an EWMA of weight 1 / ``window``."""
+
+    window: int
+    value: float | None = None
+    count: int = 0
+
+    def add(self, x: float) -> None:
+        self.count += 1
+        if self.value is None:
+            self.value = x
+        else:
+            self.value += (x - self.value) / min(self.count, self.window)
+
+
 MODEL, PLAIN = "model", "plain"
 
 
@@ -340,7 +363,7 @@ class _Block:
     regime: str
     length: int  # its steps in all
     steps: int = 0
-    tokens: int = 0
+    tokens: float = 0.0  # rounds at their expected tokens
     seconds: float = 0.0
 
 
@@ -423,6 +446,9 @@ class SpecPlanner:
         self.draft_cost: dict[int, _Ewma] = {}
         self.draft_correction: _Ewma | None = None
         self.nets: dict[int, _SafetyNet] = {}  # by load_bucket
+        # Acceptance per position as measured (no drift): what the net credits.
+        self.measured = [_Mean(NET_ROUNDS) for _ in range(self.width)]
+        self._credit = 0.0  # the step's rounds: expected tokens less committed
         self.block: _Block | None = None  # the steps the current regime decides
         self.stats = PlannerStats()
 
@@ -443,14 +469,26 @@ class SpecPlanner:
         taken: updates the engine's and calibration's estimates and returns
         the request's own."""
         own = self.estimates(own)
+        self._credit += self.expected_tokens(verified) - (accepted + 1)
         for j in range(min(accepted + 1, verified)):
             hit = 1.0 if j < accepted else 0.0
             own[j] += ALPHA * (hit - own[j])
             self.rates[j] += ALPHA * (hit - self.rates[j])
+            self.measured[j].add(hit)
             if confidence is not None and j < len(confidence):
                 self.cal_acc[j].add(hit)
                 self.cal_conf[j].add(confidence[j])
         return own
+
+    def expected_tokens(self, drafts: int) -> float:
+        """What a round verifying ``drafts`` commits on average, as measured
+        (a position never reached: the estimate)."""
+        total = run = 1.0
+        for j in range(drafts):
+            m = self.measured[j].value
+            run *= self.rates[j] if m is None else m
+            total += run
+        return total
 
     def drift(self, own: list[float] | None) -> list[float] | None:
         """A step without drafting: the request's estimates move toward the engine's."""
@@ -656,7 +694,9 @@ class SpecPlanner:
         """A measured step: ``requests`` of ``tokens`` in all, ``decoding`` of
         them decoding with ``drafts`` drafts verified in all, ``generated``
         tokens generated (by every request), in ``seconds`` (plus
-        ``draft_seconds`` spent deciding and drafting them the step before)."""
+        ``draft_seconds`` spent deciding and drafting them the step before).
+        The net counts each of the step's rounds (``observe_round``, before
+        this) at its expected tokens (``NET_ROUNDS``)."""
         cell = self._cell(requests, tokens)
         raw = self.costs(requests, tokens)
         self.stats.predicted_seconds += raw * self._factor(cell)
@@ -668,12 +708,13 @@ class SpecPlanner:
             for fix in (self.correction[cell], row, self.table_correction):
                 fix.add_log(x)
         self.stats.measured_seconds += seconds
+        credit, self._credit = self._credit, 0.0
         if self.block is not None and math.isfinite(seconds):
             # Every step counts, the first after a switch (which pays the
             # drafter's catch-up) and those with prefill chunks too: the
             # regime's cost is all of it.
             self.block.steps += 1
-            self.block.tokens += generated
+            self.block.tokens += generated + credit
             self.block.seconds += seconds + draft_seconds
         if not decoding:
             return
