@@ -265,12 +265,14 @@ def run_steps(planner: SpecPlanner, steps: int, spec: tuple, plain: tuple, reque
     return out
 
 
-def run_blocks(planner: SpecPlanner, steps: int, spec: tuple, plain: tuple) -> list[bool]:
+def run_blocks(
+    planner: SpecPlanner, steps: int, spec: tuple, plain: tuple, requests: int = 4
+) -> list[bool]:
     """``run_steps``, as the blocks begun in them (a block is one regime's:
     whether it speculated)."""
     out, seen = [], planner.block
     for _ in range(steps):
-        [drafted] = run_steps(planner, 1, spec, plain)
+        [drafted] = run_steps(planner, 1, spec, plain, requests)
         if planner.block is not seen:
             seen = planner.block
             out.append(drafted)
@@ -307,8 +309,8 @@ def test_the_net_turns_a_losing_bucket_plain_and_explores_it_by_its_loss() -> No
     assert spoke[:2] == [True, False]  # each regime measured once (plain: a probe)
     assert waits(spoke[2:], True) == [*DOUBLING, EXPLORE_MAX]
     assert planner.stats.forced_plain == steps - BLOCK_STEPS * spoke.count(True)
-    # Another load bucket is not affected: it measures the model first.
-    assert run_steps(planner, 1, spec=(4, 2.0), plain=(4, 1.0), requests=16) == [True]
+    # A heavier load starts plain too (``_neighbours_lead``).
+    assert run_steps(planner, 1, spec=(4, 2.0), plain=(4, 1.0), requests=16) == [False]
 
 
 def test_a_winning_model_keeps_its_bucket_and_plain_is_probed_rarely() -> None:
@@ -347,6 +349,26 @@ def test_a_close_race_is_explored_often_and_a_tie_goes_plain() -> None:
     tie = flat_planner()
     spoke = run_blocks(tie, BLOCK_STEPS * 6, spec=(4, 1.0), plain=(4, 1.0))
     assert spoke[2:5] == [False] * 3  # speculation must win by NET_MARGIN
+
+
+def test_a_new_load_bucket_starts_from_its_neighbours_verdict() -> None:
+    """Speculation gains less the more requests share a step: above a load
+    where plain won, a new bucket starts plain (whole blocks) and explores
+    the model as a loser; below one the model won, it starts with the model
+    and probes plain later. Without such a neighbour, the model first."""
+    planner = flat_planner()
+    run_blocks(planner, BLOCK_STEPS + PROBE_STEPS, spec=(4, 2.0), plain=(4, 1.0))  # plain won
+    heavier = run_blocks(planner, BLOCK_STEPS * 5, spec=(16, 2.0), plain=(16, 1.0), requests=16)
+    assert heavier == [False] * EXPLORE_MIN + [True]
+    assert planner.stats.forced_plain == PROBE_STEPS + BLOCK_STEPS * EXPLORE_MIN
+    lighter = run_blocks(planner, BLOCK_STEPS * 2, spec=(1, 2.0), plain=(1, 1.0), requests=1)
+    assert lighter[:2] == [True, False]  # plain won above: no verdict for a lighter load
+
+    planner = flat_planner()
+    run_blocks(planner, BLOCK_STEPS + PROBE_STEPS, spec=(64, 2.0), plain=(16, 1.0), requests=16)
+    lighter = run_blocks(planner, BLOCK_STEPS * 5, spec=(16, 2.0), plain=(4, 1.0))
+    assert planner.nets[load_bucket(16)].winner() == "model"
+    assert lighter[: EXPLORE_MIN + 1] == [True] * EXPLORE_MIN + [False]  # then a probe
 
 
 def test_every_step_counts_in_its_regimes_block() -> None:

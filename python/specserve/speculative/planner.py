@@ -92,14 +92,16 @@ MAX_CORRECTION = 16.0
 # EXPLORE_LOSS of the winner's goodput (a loser that loses by 20% waits 20
 # blocks; a plain probe, a quarter of a block, 5), within [EXPLORE_MIN,
 # EXPLORE_MAX] and doubling at most per exploration. The model runs the
-# first block, plain the second.
+# first block, plain the second, unless a neighbouring bucket's verdict
+# holds here (``_neighbours_lead``).
 BLOCK_STEPS = 16
 # Plain measured beside a model that leads (or is not judged yet) runs
 # this many steps, a probe: a plain step's goodput depends on neither the
 # text nor a drafter's state, so a few steps measure it, and at low load
-# each costs what speculation gains (a block of 16 plain steps every 4
-# blocks lost 10% of a 1.4x lead at one client). The model's blocks stay
-# whole: the first round after plain steps catches the drafter up.
+# each costs what speculation gains (at one client, whole plain blocks were
+# 3 of a wave's first 16 blocks: about 10% of a 1.4x lead). The model's
+# blocks stay whole: the first round after plain steps catches the drafter
+# up.
 PROBE_STEPS = 4
 NET_RECENT = 5
 NET_MARGIN = 0.05
@@ -107,10 +109,10 @@ EXPLORE_LOSS = 0.01
 EXPLORE_MIN, EXPLORE_MAX = 4, 64
 # The net credits a verify round the tokens such rounds commit on average
 # (the acceptance per position over about this many rounds), not its own:
-# at one request a block's tokens went 1.5-4.5 a round with the text, so
-# adjacent blocks' ratios went 0.7-2.3 around a lead of 1.25, and a bucket
-# the model led went plain by chance. The regimes' costs, which the net is
-# there to judge, are measured as they are.
+# at one request a block's rounds committed 1.5-4.5 tokens each with the
+# text, which made the ratios of neighbouring blocks scatter (0.7-2.3
+# around a lead of 1.25) and a bucket the model led go plain by chance.
+# The regimes' costs, which the net is there to judge, count as measured.
 NET_ROUNDS = 64
 
 
@@ -286,6 +288,8 @@ class _SafetyNet:
     shared 2-core machine), and a median ignores one stalled block."""
 
     ratios: list[float] = field(default_factory=list)  # model / plain, adjacent blocks
+    # A neighbouring bucket's lead, standing in until the first pair here.
+    prior: float | None = None
     pairs: int = 0
     last: tuple[str, float] | None = None  # the bucket's last block: regime, goodput
     countdown: int | None = None  # the winner's blocks before the loser's next one
@@ -300,15 +304,17 @@ class _SafetyNet:
 
     @property
     def lead(self) -> float:
-        """The model's goodput over plain's (1 before any pair)."""
-        return statistics.median(self.ratios) if self.ratios else 1.0
+        """The model's goodput over plain's (before any pair: the prior, else 1)."""
+        if self.ratios:
+            return statistics.median(self.ratios)
+        return 1.0 if self.prior is None else self.prior
 
     def winner(self) -> str:
         return MODEL if self.lead > 1 + NET_MARGIN else PLAIN
 
     def next_regime(self) -> str:
         """The regime of the bucket's next block."""
-        if not self.ratios:  # the model first, then plain beside it
+        if not self.judged:  # the model first, then plain beside it
             return PLAIN if self.last is not None and self.last[0] == MODEL else MODEL
         leader = self.winner()
         if self.countdown is None:  # armed from the gap as measured now
@@ -329,8 +335,13 @@ class _SafetyNet:
     def block_steps(self, regime: str) -> int:
         """The steps of a block of ``regime``: a probe for plain beside a model
         that leads or is not judged yet."""
-        probe = regime == PLAIN and (not self.ratios or self.winner() == MODEL)
+        probe = regime == PLAIN and (not self.judged or self.winner() == MODEL)
         return PROBE_STEPS if probe else BLOCK_STEPS
+
+    @property
+    def judged(self) -> bool:
+        """Whether a lead is known: measured here, or a neighbour's."""
+        return bool(self.ratios) or self.prior is not None
 
 
 @dataclass
@@ -617,7 +628,7 @@ class SpecPlanner:
                 for p, s, n in zip(pending, survival, left)
             ]
         lengths = choose_from_costs(survival, curve, draft, MARGIN, join)
-        if not any(lengths):  # nobody verifies: the engine's estimates recover
+        if any(limits) and not any(lengths):  # the costs chose plain: the estimates recover
             self.rates = [r + PRIOR_DRIFT * (self.prior - r) for r in self.rates]
         return lengths
 
@@ -636,10 +647,26 @@ class SpecPlanner:
         if block is None or block.steps >= block.length:
             if block is not None:
                 block.net.add(block.regime, block.tokens / max(block.seconds, 1e-12))
-            net = self.nets.setdefault(load_bucket(requests), _SafetyNet())
+            b = load_bucket(requests)
+            net = self.nets.get(b)
+            if net is None:
+                net = self.nets[b] = _SafetyNet(prior=self._neighbours_lead(b))
             regime = net.next_regime()
             block = self.block = _Block(net, regime, net.block_steps(regime))
         return block.regime
+
+    def _neighbours_lead(self, b: int) -> float | None:
+        """A new bucket's prior: speculation gains less the more requests share
+        a step, so plain winning at a lighter load, or the model at a heavier
+        one, says the same here until measured (None: neither did)."""
+        judged = sorted(k for k, net in self.nets.items() if net.ratios)
+        lower = [k for k in judged if k < b]
+        if lower and self.nets[lower[-1]].winner() == PLAIN:
+            return self.nets[lower[-1]].lead
+        higher = [k for k in judged if k > b]
+        if higher and self.nets[higher[0]].winner() == MODEL:
+            return self.nets[higher[0]].lead
+        return None
 
     # ---- measurements ----------------------------------------------------------------
 
