@@ -11,6 +11,7 @@ import pytest
 
 from models_zoo import model_path, random_prompts
 from specserve import Engine
+from specserve.speculative.dspark import DSparkProposer
 from specserve.speculative.planner import (
     BLOCK_STEPS,
     EXPLORE_LOSS,
@@ -19,12 +20,20 @@ from specserve.speculative.planner import (
     PRIOR,
     PROBE_STEPS,
     SpecPlanner,
+    _SafetyNet,
     choose_drafts,
     load_bucket,
     static_lengths,
     survival_of,
 )
-from specserve.speculative.step_costs import CostTable, StepCosts, profile_costs
+from specserve.speculative.step_costs import (
+    CATCH_UP_REQUESTS,
+    CATCH_UP_ROWS,
+    STEADY_ROWS,
+    CostTable,
+    StepCosts,
+    profile_costs,
+)
 from specserve.tools.tiny_model import make_tiny_dspark
 
 
@@ -341,6 +350,19 @@ def test_one_slow_block_does_not_condemn_a_regime_for_long() -> None:
     assert spoke[-20:].count(False) >= 19
 
 
+def test_plain_probes_count_by_their_median_within_a_blocks_steps() -> None:
+    """A probe is a few noisy steps: plain's goodput beside the model is the
+    median of its latest probes (a stalled one is outvoted); a whole plain
+    block counts alone."""
+    net = _SafetyNet()
+    for goodput in (1.0, 1.0, 0.1):  # the last probe stalled
+        net.add("plain", goodput, PROBE_STEPS)
+    net.add("model", 2.0, BLOCK_STEPS)
+    assert net.ratios == [pytest.approx(2.0)]
+    net.add("plain", 0.5, BLOCK_STEPS)
+    assert net.ratios[-1] == pytest.approx(4.0)
+
+
 def test_a_close_race_is_explored_often_and_a_tie_goes_plain() -> None:
     planner = flat_planner()
     # 3% apart: below EXPLORE_MIN blocks' worth of loss, so every EXPLORE_MIN.
@@ -632,7 +654,17 @@ def test_a_seeded_request_keeps_its_tokens_whatever_the_load(drafters) -> None:
         eng.shutdown()
 
 
-def test_the_default_engine_profiles_its_table_and_stays_exact(drafters, plain_outputs) -> None:
+def test_the_default_engine_profiles_its_table_and_stays_exact(
+    drafters, plain_outputs, monkeypatch
+) -> None:
+    profiled = []  # (requests, pending rows) of every round the profile ran
+    original = DSparkProposer.profile_round
+
+    def profile_round(self, n, prefix, pending=STEADY_ROWS):
+        profiled.append((n, pending))
+        return original(self, n, prefix, pending)
+
+    monkeypatch.setattr(DSparkProposer, "profile_round", profile_round)
     eng = engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafters["DSPARK"])
     try:
         planner = eng.core.spec.planner
@@ -642,7 +674,10 @@ def test_the_default_engine_profiles_its_table_and_stays_exact(drafters, plain_o
         assert planner.draft_costs is not None
         assert planner.draft_costs.counts == planner.costs.counts
         assert all(row[0] > 0 for row in planner.draft_costs.times)
-        assert planner.draft_row > 0  # and what a row to catch up adds to a round
+        # And what a row to catch up adds to a round, over several requests'
+        # rows (its price may round to 0 on a tiny drafter: it is timed).
+        assert (min(planner.draft_costs.counts[-1], CATCH_UP_REQUESTS), CATCH_UP_ROWS) in profiled
+        assert planner.draft_row >= 0
         outs = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert [o["output_ids"] for o in outs] == [p["output_ids"] for p in plain_outputs]
         assert eng.stats()["spec_steps"] > 0

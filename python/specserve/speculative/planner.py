@@ -293,8 +293,22 @@ class _SafetyNet:
     pairs: int = 0
     last: tuple[str, float] | None = None  # the bucket's last block: regime, goodput
     countdown: int | None = None  # the winner's blocks before the loser's next one
+    plain: list[tuple[float, int]] = field(default_factory=list)  # latest: goodput, steps
 
-    def add(self, regime: str, goodput: float) -> None:
+    def add(self, regime: str, goodput: float, steps: int) -> None:
+        """A block's goodput over its ``steps``. Plain's counts as the median of
+        its latest blocks within a whole block's steps: a probe is a few
+        steps, each as noisy as a step on a busy machine, and one stalled
+        probe is outvoted."""
+        if regime == PLAIN:
+            self.plain = [*self.plain[1 - BLOCK_STEPS // PROBE_STEPS :], (goodput, steps)]
+            recent, total = [], 0
+            for g, n in reversed(self.plain):
+                recent.append(g)
+                total += n
+                if total >= BLOCK_STEPS:
+                    break
+            goodput = statistics.median_high(recent)  # an even split: the higher
         if self.last is not None and self.last[0] != regime:
             other = self.last[1]
             model, plain = (goodput, other) if regime == MODEL else (other, goodput)
@@ -646,7 +660,7 @@ class SpecPlanner:
         block = self.block
         if block is None or block.steps >= block.length:
             if block is not None:
-                block.net.add(block.regime, block.tokens / max(block.seconds, 1e-12))
+                block.net.add(block.regime, block.tokens / max(block.seconds, 1e-12), block.steps)
             b = load_bucket(requests)
             net = self.nets.get(b)
             if net is None:
