@@ -41,6 +41,14 @@ def test_the_round_profile_runs() -> None:
         assert line in done.stdout
 
 
+def test_the_adaptive_ab_runs() -> None:
+    """It reads the planner's state by name: a rename must not break it."""
+    done = run("bench_spec_adaptive.py", "--prompts", "1", "--output-len", "8", "--input-len", "8")
+    assert done.returncode == 0, done.stderr[-2000:]
+    for key in ('"adaptive_vs_fixed"', '"spec_forced_plain_steps"', '"net_ratios"'):
+        assert key in done.stdout
+
+
 def test_a_missing_server_is_named() -> None:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

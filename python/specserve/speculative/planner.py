@@ -155,8 +155,8 @@ def choose_from_costs(
 ) -> list[int]:
     """``choose_drafts`` over costs listed: ``steps[b]``, the step with b
     drafts in all; ``drafts[k]``, drafting for k requests. (Plain Python:
-    at the few dozen drafts of a step, numpy's per-call overhead cost more
-    than the scan, 117 us against 16 at one request.)"""
+    over the few dozen drafts of a step, numpy's per-call overhead cost
+    more than the scan, several times over at one request.)"""
     r = len(survival)
     drafts = [0.0] * (r + 1) if drafts is None else drafts
     join = [0.0] * r if join_seconds is None else join_seconds
