@@ -75,7 +75,7 @@ def main() -> int:
                 k: stats.get(k)
                 for k in ("spec_steps", "spec_plain_steps", "spec_forced_plain_steps")
             },
-            "net_ratios": {b: net.ratios for b, net in planner.nets.items()},
+            "net_ratios": {b: net.ratios for b, net in planner.net.nets.items()},
         }
     finally:
         for eng in engines.values():

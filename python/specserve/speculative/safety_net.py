@@ -1,0 +1,188 @@
+"""The planner's safety net: what the engine delivers under the cost
+model's decisions against plain steps alone, measured per load bucket in
+blocks of steps, and which of the two decides each next block.
+
+The model decides a bucket's steps only while it measures more goodput
+there than plain; the loser runs a block now and then, less often the more
+it loses by (plain, beside a model that leads, in short probes)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+# The safety net measures what the engine delivers: per load bucket, blocks
+# of BLOCK_STEPS steps in a row either decided by the model or all plain,
+# each block's goodput every token the steps generated (prefills included)
+# over their seconds (drafting included). Two adjacent blocks of the two
+# regimes give a ratio; the median of a bucket's last NET_RECENT ratios
+# decides. The model keeps a bucket only while it leads by NET_MARGIN (a tie
+# goes plain: speculation must not cost throughput). The loser runs one
+# block every `wait` blocks, `wait` set so that exploring costs about
+# EXPLORE_LOSS of the winner's goodput (a loser that loses by 20% waits 20
+# blocks; a plain probe, a quarter of a block, 5), within [EXPLORE_MIN,
+# EXPLORE_MAX] and doubling at most per exploration. The model runs the
+# first block, plain the second, unless a neighbouring bucket's verdict
+# holds here (``SafetyNet._neighbours_lead``).
+BLOCK_STEPS = 16
+# Plain measured beside a model that leads (or is not judged yet) runs
+# this many steps, a probe: a plain step's goodput depends on neither the
+# text nor a drafter's state, so a few steps measure it, and at low load
+# each costs what speculation gains (at one client, whole plain blocks were
+# 3 of a wave's first 16 blocks: about 10% of a 1.4x lead). The model's
+# blocks stay whole: the first round after plain steps catches the drafter
+# up.
+PROBE_STEPS = 4
+NET_RECENT = 5
+NET_MARGIN = 0.05
+EXPLORE_LOSS = 0.01
+EXPLORE_MIN, EXPLORE_MAX = 4, 64
+
+
+def load_bucket(n: int) -> int:
+    """The safety net's load bucket: 1, 2, 3-4, 5-8, ... (a load of C
+    clients and the C - 1 left while one is replaced share one)."""
+    return max(n - 1, 0).bit_length()
+
+
+MODEL, PLAIN = "model", "plain"
+
+
+@dataclass
+class BucketNet:
+    """One load bucket's measurements and which regime its next block runs.
+
+    Each time a block follows one of the other regime, the two, adjacent in
+    time, give a ratio of the model's goodput to plain's; the bucket keeps
+    its last NET_RECENT ratios and goes by their median. Adjacent blocks
+    share the machine's state, which drifts by more than the differences
+    judged (another process, a slower clock: 10-25% over minutes on a
+    shared 2-core machine), and a median ignores one stalled block."""
+
+    ratios: list[float] = field(default_factory=list)  # model / plain, adjacent blocks
+    # A neighbouring bucket's lead, standing in until the first pair here.
+    prior: float | None = None
+    pairs: int = 0
+    last: tuple[str, float] | None = None  # the bucket's last block: regime, goodput
+    countdown: int | None = None  # the winner's blocks before the loser's next one
+    plain: list[tuple[float, int]] = field(default_factory=list)  # latest: goodput, steps
+
+    def add(self, regime: str, goodput: float, steps: int) -> None:
+        """A block's goodput over its ``steps``. Plain's counts as the median of
+        its latest blocks within a whole block's steps: a probe is a few
+        steps, each as noisy as a step on a busy machine, and one stalled
+        probe is outvoted."""
+        if regime == PLAIN:
+            self.plain = [*self.plain[1 - BLOCK_STEPS // PROBE_STEPS :], (goodput, steps)]
+            recent, total = [], 0
+            for g, n in reversed(self.plain):
+                recent.append(g)
+                total += n
+                if total >= BLOCK_STEPS:
+                    break
+            goodput = statistics.median_high(recent)  # an even split: the higher
+        if self.last is not None and self.last[0] != regime:
+            other = self.last[1]
+            model, plain = (goodput, other) if regime == MODEL else (other, goodput)
+            self.ratios = [*self.ratios[1 - NET_RECENT :], model / max(plain, 1e-12)]
+            self.pairs += 1
+        self.last = (regime, goodput)
+
+    @property
+    def lead(self) -> float:
+        """The model's goodput over plain's (before any pair: the prior, else 1)."""
+        if self.ratios:
+            return statistics.median(self.ratios)
+        return 1.0 if self.prior is None else self.prior
+
+    def winner(self) -> str:
+        return MODEL if self.lead > 1 + NET_MARGIN else PLAIN
+
+    def next_regime(self) -> str:
+        """The regime of the bucket's next block."""
+        if not self.judged:  # the model first, then plain beside it
+            return PLAIN if self.last is not None and self.last[0] == MODEL else MODEL
+        leader = self.winner()
+        if self.countdown is None:  # armed from the gap as measured now
+            lead = self.lead
+            gap = max(lead, 1 / max(lead, 1e-12)) - 1
+            # A long wait needs several pairs: it at most doubles per
+            # exploration (one slow block must not condemn a regime for long).
+            known = EXPLORE_MIN << (self.pairs // 2)
+            share = self.block_steps(MODEL if leader == PLAIN else PLAIN) / BLOCK_STEPS
+            wait = min(round(gap * share / EXPLORE_LOSS), known, EXPLORE_MAX)
+            self.countdown = max(wait, EXPLORE_MIN)
+        if self.countdown > 0:
+            self.countdown -= 1
+            return leader
+        self.countdown = None
+        return PLAIN if leader == MODEL else MODEL
+
+    def block_steps(self, regime: str) -> int:
+        """The steps of a block of ``regime``: a probe for plain beside a model
+        that leads or is not judged yet."""
+        probe = regime == PLAIN and (not self.judged or self.winner() == MODEL)
+        return PROBE_STEPS if probe else BLOCK_STEPS
+
+    @property
+    def judged(self) -> bool:
+        """Whether a lead is known: measured here, or a neighbour's."""
+        return bool(self.ratios) or self.prior is not None
+
+
+@dataclass
+class Block:
+    """The steps in a row that one regime decides, and what they measured."""
+
+    net: BucketNet
+    regime: str
+    length: int  # its steps in all
+    steps: int = 0
+    tokens: float = 0.0  # rounds at their expected tokens
+    seconds: float = 0.0
+
+
+class SafetyNet:
+    """Every load bucket's net, and the block of steps in progress."""
+
+    def __init__(self) -> None:
+        self.nets: dict[int, BucketNet] = {}  # by load_bucket
+        self.block: Block | None = None  # the steps the current regime decides
+
+    def regime(self, requests: int) -> str:
+        """Who decides the next step (at ``requests`` running): the block in
+        progress's regime, or a new block's, its bucket's choice."""
+        block = self.block
+        if block is None or block.steps >= block.length:
+            if block is not None:
+                block.net.add(block.regime, block.tokens / max(block.seconds, 1e-12), block.steps)
+            b = load_bucket(requests)
+            net = self.nets.get(b)
+            if net is None:
+                net = self.nets[b] = BucketNet(prior=self._neighbours_lead(b))
+            regime = net.next_regime()
+            block = self.block = Block(net, regime, net.block_steps(regime))
+        return block.regime
+
+    def _neighbours_lead(self, b: int) -> float | None:
+        """A new bucket's prior: speculation gains less the more requests share
+        a step, so plain winning at a lighter load, or the model at a heavier
+        one, says the same here until measured (None: neither did)."""
+        judged = sorted(k for k, net in self.nets.items() if net.ratios)
+        lower = [k for k in judged if k < b]
+        if lower and self.nets[lower[-1]].winner() == PLAIN:
+            return self.nets[lower[-1]].lead
+        higher = [k for k in judged if k > b]
+        if higher and self.nets[higher[0]].winner() == MODEL:
+            return self.nets[higher[0]].lead
+        return None
+
+    def observe(self, tokens: float, seconds: float) -> None:
+        """A step of the block in progress: its tokens (each verify round at
+        its expected tokens) and seconds (its drafting included). Every step
+        counts, the first after a switch (which pays the drafter's catch-up)
+        and those with prefill chunks too: the regime's cost is all of it."""
+        if self.block is not None:
+            self.block.steps += 1
+            self.block.tokens += tokens
+            self.block.seconds += seconds
