@@ -15,9 +15,11 @@ from specserve.speculative.dspark import DSparkProposer
 from specserve.speculative.planner import (
     PRIOR,
     SpecPlanner,
-    choose_drafts,
     static_lengths,
     survival_of,
+)
+from specserve.speculative.planner import (
+    choose_drafts as choose_listed,
 )
 from specserve.speculative.safety_net import (
     BLOCK_STEPS,
@@ -37,6 +39,16 @@ from specserve.speculative.step_costs import (
     profile_costs,
 )
 from specserve.tools.tiny_model import make_tiny_dspark
+
+
+def choose_drafts(survival, step_seconds, fixed_tokens, draft_seconds=None) -> list[int]:
+    """The planner's choice, its costs given as functions of the step's
+    tokens and of the requests drafting."""
+    steps = [step_seconds(fixed_tokens + b) for b in range(sum(map(len, survival)) + 1)]
+    drafts = None
+    if draft_seconds is not None:
+        drafts = [draft_seconds(k) for k in range(len(survival) + 1)]
+    return choose_listed(survival, steps, drafts)
 
 
 def test_static_lengths_stop_at_the_first_low_confidence() -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -95,42 +95,26 @@ NET_ROUNDS = 64
 
 def choose_drafts(
     survival: Sequence[Sequence[float]],
-    step_seconds: Callable[[int], float],
-    fixed_tokens: int,
-    draft_seconds: Callable[[int], float] | None = None,
-    margin: float = 0.0,
-    join_seconds: Sequence[float] | None = None,
-) -> list[int]:
-    """Drafts to verify per request, maximising expected tokens per second.
-
-    ``survival[i][j - 1]``: S_ij, non-increasing in j. ``step_seconds(T)``:
-    the step at T tokens; ``fixed_tokens``: the step's tokens with no drafts
-    (every anchor, any prefill). ``draft_seconds(n)``: drafting for n
-    requests (None: already paid); ``join_seconds[i]``: what request ``i``
-    adds to it besides (its context to catch up). A choice with drafts must
-    beat the plain step by ``margin`` (relative).
-
-    The global top-B ranks drafts by S alone, so a request dear to join
-    either joins as soon as its first draft ranks or, left out, keeps the
-    others from their later drafts: each of the dearest few is tried left
-    out of the ranking, and stays out where the step is worth more so."""
-    r, n = len(survival), sum(map(len, survival))
-    steps = [step_seconds(fixed_tokens + b) for b in range(n + 1)]
-    drafts = None if draft_seconds is None else [draft_seconds(k) for k in range(r + 1)]
-    return choose_from_costs(survival, steps, drafts, margin, join_seconds)
-
-
-def choose_from_costs(
-    survival: Sequence[Sequence[float]],
     steps: Sequence[float],
     drafts: Sequence[float] | None = None,
     margin: float = 0.0,
     join_seconds: Sequence[float] | None = None,
 ) -> list[int]:
-    """``choose_drafts`` over costs listed: ``steps[b]``, the step with b
-    drafts in all; ``drafts[k]``, drafting for k requests. (Plain Python:
-    over the few dozen drafts of a step, numpy's per-call overhead cost
-    more than the scan, several times over at one request.)"""
+    """Drafts to verify per request, maximising expected tokens per second.
+
+    ``survival[i][j - 1]``: S_ij, non-increasing in j. ``steps[b]``: the
+    step with b drafts in all (its other tokens, every anchor and any
+    prefill, fixed). ``drafts[k]``: drafting for k requests (None: already
+    paid); ``join_seconds[i]``: what request ``i`` adds to it besides (its
+    context to catch up). A choice with drafts must beat the plain step by
+    ``margin`` (relative).
+
+    The global top-B ranks drafts by S alone, so a request dear to join
+    either joins as soon as its first draft ranks or, left out, keeps the
+    others from their later drafts: each of the dearest few is tried left
+    out of the ranking, and stays out where the step is worth more so.
+    (Plain Python: over the few dozen drafts of a step, numpy's per-call
+    overhead cost more than the scan, several times over at one request.)"""
     r = len(survival)
     drafts = [0.0] * (r + 1) if drafts is None else drafts
     join = [0.0] * r if join_seconds is None else join_seconds
@@ -511,7 +495,7 @@ class SpecPlanner:
                 self.catch_up_seconds(p) / min(max(n / (1 + sum(s)), 1.0), CATCH_UP_ROUNDS)
                 for p, s, n in zip(pending, survival, left)
             ]
-        lengths = choose_from_costs(survival, curve, draft, MARGIN, join)
+        lengths = choose_drafts(survival, curve, draft, MARGIN, join)
         if any(limits) and not any(lengths):  # the costs chose plain: the estimates recover
             self.rates = [r + PRIOR_DRIFT * (self.prior - r) for r in self.rates]
         return lengths
@@ -522,7 +506,7 @@ class SpecPlanner:
         """Refines the lengths of what was drafted (its cost is paid);
         ``fixed_tokens``: the next step's tokens with no drafts."""
         curve = self.step_curve(requests, fixed_tokens, sum(map(len, survival)) + 1)
-        return choose_from_costs(survival, curve)
+        return choose_drafts(survival, curve)
 
     def regime(self, requests: int) -> str:
         """Who decides the next step (at ``requests`` running): the safety net's."""
