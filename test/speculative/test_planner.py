@@ -217,6 +217,22 @@ def test_an_unmeasured_drafter_load_is_priced_from_the_measured_ones() -> None:
     assert planner._draft_curve(8, 8)[0] == 0.0  # what is paid anyway costs nothing more
 
 
+def test_refined_lengths_count_the_paid_drafting_in_the_rounds_time() -> None:
+    """After drafting, the lengths maximise the round's tokens over all of
+    its time, the drafting included: every round pays it, so a draft is
+    worth its verify at the round's rate, not at the verify's alone."""
+    verify = CostTable([1], [1, 8], [[0.0065, 0.0099]])  # 1 request: 1 .. 8 tokens
+    planner = SpecPlanner(7, verify)
+    survival = [0.9, 0.8, 0.6, 0.4, 0.18, 0.16, 0.15]
+
+    def best(paid: float) -> int:  # brute force over the round's lengths
+        return max(range(8), key=lambda b: (1 + sum(survival[:b])) / (paid + verify(1, 1 + b)))
+
+    assert best(0.0) < best(0.0056)  # the drafting decides here
+    for paid in (0.0, 0.0056):
+        assert planner.after_draft([survival], 1, 1, paid) == [best(paid)]
+
+
 def test_a_profiled_drafter_prices_every_load_and_is_corrected_online() -> None:
     """With the drafter's round profiled at start-up, no load is unmeasured
     (a first slow round at 8 requests once priced 1 request's round at 8's
@@ -493,7 +509,7 @@ class Alternating(SpecPlanner):
         self.calls += 1
         return list(limits) if self.calls % 2 else [0] * len(limits)
 
-    def after_draft(self, survival, requests, fixed_tokens):
+    def after_draft(self, survival, requests, fixed_tokens, paid=0.0):
         return [len(s) for s in survival]
 
 
