@@ -410,38 +410,54 @@ def test_a_new_load_bucket_starts_from_its_neighbours_verdict() -> None:
     assert lighter[: EXPLORE_MIN + 1] == [True] * EXPLORE_MIN + [False]  # then a probe
 
 
-def test_every_step_counts_in_its_regimes_block() -> None:
-    """Prefill steps and the first step after a switch (a drafter's
-    catch-up) are what a regime costs: its block adds every step."""
+def test_a_models_block_measures_the_steps_it_drafts_for() -> None:
+    """A model's block measures its steps that drafted, the first after
+    plain steps (a drafter's catch-up) and those beside prefill chunks
+    included; the steps the model makes plain itself are plain steps, and
+    a block of them says nothing: the model decides again."""
     planner = flat_planner()
-    assert any(planner.before_draft([[0.9] * 4] * 4, [4] * 4, 4, 0))
-    planner.observe_step(4, 64, 0, 0, 4, 3.0, 0.0)  # a prefill step: no decoding
-    planner.observe_step(4, 20, 4, 16, 12, 1.0, 2.0)  # a round, its drafting charged
+    assert planner.regime(4) == "model"
+    planner.observe_step(4, 64, 0, 0, 4, 3.0, 0.0)  # prefill alone: nobody decodes
+    planner.observe_step(4, 40, 4, 16, 12, 1.0, 2.0)  # a round beside a chunk, drafting charged
+    planner.observe_step(4, 4, 4, 0, 4, 1.0, 0.1, drafted=False)  # the model's plain step
     block = planner.net.block
-    assert (block.regime, block.steps, block.tokens, block.seconds) == ("model", 2, 16, 6.0)
+    assert (block.steps, block.measured, block.tokens, block.seconds) == (2, 1, 12, 3.0)
 
-
-def test_the_net_credits_a_round_its_expected_tokens_not_its_own() -> None:
-    """A block's text must not decide a regime: a round counts in its block
-    at what rounds of its length commit on average (per position, the share
-    of the rounds that reached it and accepted it), whatever it committed."""
     planner = flat_planner()
-    pattern = [0, 2, 4, 4] * 16  # drafts accepted of 4, round by round
-    for accepted in pattern:
-        planner.observe_round(None, 4, accepted, None)
+    for _ in range(BLOCK_STEPS):  # the model's own plain steps only
+        assert planner.regime(4) == "model"
+        planner.observe_step(4, 4, 4, 0, 4, 1.0, 0.0, drafted=False)
+    assert planner.regime(4) == "model" and not planner.net.nets[load_bucket(4)].ratios
+    for _ in range(BLOCK_STEPS):  # now it drafts
+        assert planner.regime(4) == "model"
+        planner.observe_step(4, 20, 4, 16, 12, 1.0, 0.0)
+    assert planner.regime(4) == "plain"  # a probe beside it
+
+
+def test_the_net_credits_a_round_its_prediction_scaled_by_what_rounds_committed() -> None:
+    """A block's text must not decide a regime by chance: a round counts in
+    its block at the tokens predicted for it (from the confidences where
+    the drafter has them, else the request's rates), times what rounds
+    committed over what was predicted for them, whatever it committed."""
+    planner = flat_planner()
+    own = [0.9, 0.8, 0.5, 0.5]
+    assert planner.predicted_tokens(own, None, 3) == pytest.approx(1 + sum(survival_of(own[:3])))
+    conf = [0.6, 0.6, 0.6, 0.6]
+    calibrated = 1 + sum(planner.calibrated(conf[:2]))
+    assert planner.predicted_tokens(own, conf, 2) == pytest.approx(calibrated)
+
+    rounds = [(3.0, 0), (3.0, 2), (2.5, 4), (3.5, 4)] * 8  # (predicted, accepted of 4)
+    for predicted, accepted in rounds:
+        planner.observe_round(None, 4, accepted, None, predicted)
         planner.observe_step(1, 5, 1, 4, accepted + 1, 1.0, 0.0)  # no block yet
-    expected, run = 1.0, 1.0
-    for j in range(4):
-        reached = [a for a in pattern if a >= j]  # position j verified
-        run *= sum(a > j for a in reached) / len(reached)
-        expected += run
-    assert planner.expected_tokens(4) == pytest.approx(expected)  # 3.5
-    for accepted in (0, 4):  # a round of hard text, one of easy text
-        assert any(planner.before_draft([[0.9] * 4], [4], 1, 0))
-        start = planner.net.block.tokens
-        planner.observe_round(None, 4, accepted, None)
+    for predicted, accepted in ((2.0, 4), (4.0, 0)):  # easy text under a low estimate, and back
+        assert planner.regime(1) == "model"
+        before = planner.net.block.tokens
+        planner.observe_round(None, 4, accepted, None, predicted)
         planner.observe_step(1, 5, 1, 4, accepted + 1, 1.0, 0.0)
-        assert planner.net.block.tokens - start == pytest.approx(expected, rel=0.02)
+        rounds.append((predicted, accepted))
+        scale = sum(a + 1 for _, a in rounds) / sum(p for p, _ in rounds)
+        assert planner.net.block.tokens - before == pytest.approx(predicted * scale)
 
 
 def test_reset_forgets_what_was_learnt_but_keeps_the_table() -> None:

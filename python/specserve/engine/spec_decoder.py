@@ -44,8 +44,11 @@ class SpecDecoder:
         # The cost model choosing verify lengths; None: the proposer's own.
         self.planner = planner
         self.stats = SpecStats()  # request-rounds, over the engine's life
-        self._confidence: dict[str, list[float]] = {}  # of drafts still to verify
+        # Of drafts still to verify: their confidences (None: no head) and
+        # the tokens the planner expects of their round.
+        self._rounds: dict[str, tuple[list[float] | None, float]] = {}
         self._draft_seconds = 0.0  # drafting for the coming step
+        self._drafted = False  # whether the drafter ran for the coming step
         self._generated = 0  # tokens the step in progress committed (every request)
 
     def propose(self, reqs: Sequence[Req]) -> None:
@@ -61,6 +64,7 @@ class SpecDecoder:
         drafts a round verifies changes which random numbers pick its
         tokens, so the load must not decide it."""
         start = time.perf_counter()
+        self._drafted = False
         try:
             self._propose(reqs)
         finally:
@@ -101,6 +105,7 @@ class SpecDecoder:
         if not picked:
             return
         drafting = [todo[k] for k in picked]
+        self._drafted = True
         start = time.perf_counter()
         proposal = self.proposer.propose(drafting, [limits[k] for k in picked])
         lengths = self.proposer.verify_lengths(proposal)  # a user's threshold
@@ -120,8 +125,9 @@ class SpecDecoder:
             n = max(0, min(lengths[j], limits[picked[j]], len(proposal.tokens[j])))
             q = proposal.q[j]
             req.set_drafts(proposal.tokens[j][:n], None if q is None else q[:n])
-            if planner is not None and conf is not None and n:
-                self._confidence[req.rid] = conf[j][:n]
+            if planner is not None and n:
+                c = None if conf is None else conf[j][:n]
+                self._rounds[req.rid] = (c, planner.predicted_tokens(req.accept_rates, c, n))
         if planner is not None:  # a catch-up priced per row (with a profile)
             rows = sum(max(pending[k] - STEADY_ROWS, 0) for k in picked)
             planner.observe_draft(len(drafting), time.perf_counter() - start, rows)
@@ -139,11 +145,12 @@ class SpecDecoder:
             generated=generated,
             seconds=seconds,
             draft_seconds=self._draft_seconds,
+            drafted=self._drafted,
         )
 
     def release(self, req: Req) -> None:
         """The request's speculative state goes (finished, aborted, preempted)."""
-        self._confidence.pop(req.rid, None)
+        self._rounds.pop(req.rid, None)
         self.proposer.release(req)
 
     def verify(
@@ -189,12 +196,12 @@ class SpecDecoder:
         if step.verify:
             req.spec.add(committed)
             self.stats.add(committed, len(step.drafts))
-            conf = self._confidence.pop(req.rid, None)
+            conf, predicted = self._rounds.pop(req.rid, (None, None))
             if req.finished:
                 return  # its pages and draft state go with it
             if self.planner is not None:
                 req.accept_rates = self.planner.observe_round(
-                    req.accept_rates, len(step.drafts), committed - 1, conf
+                    req.accept_rates, len(step.drafts), committed - 1, conf, predicted
                 )
             # Not finished, so nothing was cut: the anchor and the accepted
             # drafts are now KV; the last committed token is the next anchor.

@@ -81,12 +81,16 @@ CAL_PRIOR = 0.5
 # factor off its current prediction (a first launch, a stall), whatever it
 # measured; measurements that keep saying so move it on, by any factor.
 MAX_CORRECTION = 16.0
-# The net credits a verify round the tokens such rounds commit on average
-# (the acceptance per position over about this many rounds), not its own:
-# at one request a block's rounds committed 1.5-4.5 tokens each with the
-# text, which made the ratios of neighbouring blocks scatter (0.7-2.3
-# around a lead of 1.25) and a bucket the model led go plain by chance.
-# The regimes' costs, which the net is there to judge, count as measured.
+# The net credits a verify round the tokens the planner predicted for it,
+# scaled by what rounds committed against their predictions over about
+# this many rounds, not what its own text let through: at one request a
+# block's rounds committed 1.5-4.5 tokens each with the text, which made
+# the ratios of neighbouring blocks scatter (0.7-2.3 around a lead of 1.25)
+# and a bucket the model led go plain by chance. (Crediting every round the
+# average round's tokens instead hid the text altogether: a request whose
+# text turned easy while the net held plain was credited the hard text's
+# rounds, and stayed plain.) The regimes' costs, which the net is there to
+# judge, count as measured.
 NET_ROUNDS = 64
 
 
@@ -304,9 +308,10 @@ class SpecPlanner:
         self.draft_cost: dict[int, _Ewma] = {}
         self.draft_correction: _Ewma | None = None
         self.net = SafetyNet()  # who decides each block of steps
-        # Acceptance per position as measured (no drift): what the net credits.
-        self.measured = [_Mean(NET_ROUNDS) for _ in range(self.width)]
-        self._credit = 0.0  # the step's rounds: expected tokens less committed
+        # Rounds' committed and predicted tokens: the scale of the net's credit.
+        self.committed = _Mean(NET_ROUNDS)
+        self.predicted = _Mean(NET_ROUNDS)
+        self._credit = 0.0  # the step's rounds: credited tokens less committed
         self.stats = PlannerStats()
 
     # ---- estimates -------------------------------------------------------------------
@@ -321,31 +326,40 @@ class SpecPlanner:
         verified: int,
         accepted: int,
         confidence: Sequence[float] | None,
+        predicted: float | None = None,
     ) -> list[float]:
         """After a verify round of ``verified`` drafts with ``accepted`` of them
         taken: updates the engine's and calibration's estimates and returns
-        the request's own."""
+        the request's own. ``predicted``: the tokens the planner expected
+        of the round (``predicted_tokens``; None: from ``own``)."""
         own = self.estimates(own)
-        self._credit += self.expected_tokens(verified) - (accepted + 1)
-        for j in range(min(accepted + 1, verified)):
+        if predicted is None:
+            predicted = self.predicted_tokens(own, None, verified)
+        committed = accepted + 1
+        self.committed.add(committed)
+        self.predicted.add(predicted)
+        scale = self.committed.value / max(self.predicted.value, 1e-12)
+        self._credit += predicted * scale - committed
+        for j in range(min(committed, verified)):
             hit = 1.0 if j < accepted else 0.0
             own[j] += ALPHA * (hit - own[j])
             self.rates[j] += ALPHA * (hit - self.rates[j])
-            self.measured[j].add(hit)
             if confidence is not None and j < len(confidence):
                 self.cal_acc[j].add(hit)
                 self.cal_conf[j].add(confidence[j])
         return own
 
-    def expected_tokens(self, drafts: int) -> float:
-        """What a round verifying ``drafts`` commits on average, as measured
-        (a position never reached: the estimate)."""
-        total = run = 1.0
-        for j in range(drafts):
-            m = self.measured[j].value
-            run *= self.rates[j] if m is None else m
-            total += run
-        return total
+    def predicted_tokens(
+        self, own: list[float] | None, confidence: Sequence[float] | None, drafts: int
+    ) -> float:
+        """What a round verifying ``drafts`` commits by the planner's estimate:
+        from its drafter's confidences where it has them, else the request's
+        rates (``own``)."""
+        if confidence is not None:
+            survival = self.calibrated(confidence[:drafts])
+        else:
+            survival = survival_of(self.estimates(own)[:drafts])
+        return 1.0 + sum(survival)
 
     def drift(self, own: list[float] | None) -> list[float] | None:
         """A step without drafting: the request's estimates move toward the engine's."""
@@ -549,13 +563,15 @@ class SpecPlanner:
         generated: int,
         seconds: float,
         draft_seconds: float,
+        drafted: bool | None = None,
     ) -> None:
         """A measured step: ``requests`` of ``tokens`` in all, ``decoding`` of
         them decoding with ``drafts`` drafts verified in all, ``generated``
         tokens generated (by every request), in ``seconds`` (plus
-        ``draft_seconds`` spent deciding and drafting them the step before).
-        The net counts each of the step's rounds (``observe_round``, before
-        this) at its expected tokens (``NET_ROUNDS``)."""
+        ``draft_seconds`` spent deciding and drafting them the step before;
+        ``drafted``: whether the drafter ran for it, None: whether it
+        verified drafts). The net counts each of the step's rounds
+        (``observe_round``, before this) at its credit (``NET_ROUNDS``)."""
         cell = self._cell(requests, tokens)
         raw = self.costs(requests, tokens)
         self.stats.predicted_seconds += raw * self._factor(cell)
@@ -568,8 +584,9 @@ class SpecPlanner:
                 fix.add_log(x)
         self.stats.measured_seconds += seconds
         credit, self._credit = self._credit, 0.0
-        if math.isfinite(seconds):
-            self.net.observe(generated + credit, seconds + draft_seconds)
+        if math.isfinite(seconds) and decoding:
+            drafted = drafts > 0 if drafted is None else drafted
+            self.net.observe(generated + credit, seconds + draft_seconds, drafted)
         if not decoding:
             return
         self.stats.steps += 1

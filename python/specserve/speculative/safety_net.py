@@ -2,8 +2,8 @@
 model's decisions against plain steps alone, measured per load bucket in
 blocks of steps, and which of the two decides each next block.
 
-The model decides a bucket's steps only while it measures more goodput
-there than plain; the loser runs a block now and then, less often the more
+The model decides a bucket's steps only while the steps it drafts for
+measure more goodput there than plain; the loser runs a block now and then, less often the more
 it loses by (plain, beside a model that leads, in short probes)."""
 
 from __future__ import annotations
@@ -13,8 +13,16 @@ from dataclasses import dataclass, field
 
 # The safety net measures what the engine delivers: per load bucket, blocks
 # of BLOCK_STEPS steps in a row either decided by the model or all plain,
-# each block's goodput every token the steps generated (prefills included)
-# over their seconds (drafting included). Two adjacent blocks of the two
+# each block's goodput every token its measured steps generated (prefill
+# chunks beside decoding included) over their seconds (drafting included).
+# A step is measured if it decoded, and in a model's block, if the model
+# drafted for it: the steps the model itself makes plain are plain steps,
+# and hard text, where it makes most of them, must not make speculation
+# look like a loss where it pays (at one request, blocks of mostly such
+# steps measured plain's goodput less the planner's time, which gave
+# plain the bucket, and the easy text that followed ran plain for
+# several blocks before the model was tried again). A model's block with
+# fewer than PROBE_STEPS measured steps says nothing. Two adjacent blocks of the two
 # regimes give a ratio; the median of a bucket's last NET_RECENT ratios
 # decides. The model keeps a bucket only while it leads by NET_MARGIN (a tie
 # goes plain: speculation must not cost throughput). The loser runs one
@@ -138,7 +146,8 @@ class Block:
     regime: str
     length: int  # its steps in all
     steps: int = 0
-    tokens: float = 0.0  # rounds at their expected tokens
+    measured: int = 0  # of which measured (see BLOCK_STEPS)
+    tokens: float = 0.0  # of the measured steps, rounds at their credit
     seconds: float = 0.0
 
 
@@ -154,8 +163,9 @@ class SafetyNet:
         progress's regime, or a new block's, its bucket's choice."""
         block = self.block
         if block is None or block.steps >= block.length:
-            if block is not None:
-                block.net.add(block.regime, block.tokens / max(block.seconds, 1e-12), block.steps)
+            if block is not None and block.measured >= PROBE_STEPS:
+                goodput = block.tokens / max(block.seconds, 1e-12)
+                block.net.add(block.regime, goodput, block.measured)
             b = load_bucket(requests)
             net = self.nets.get(b)
             if net is None:
@@ -177,12 +187,17 @@ class SafetyNet:
             return self.nets[higher[0]].lead
         return None
 
-    def observe(self, tokens: float, seconds: float) -> None:
-        """A step of the block in progress: its tokens (each verify round at
-        its expected tokens) and seconds (its drafting included). Every step
-        counts, the first after a switch (which pays the drafter's catch-up)
-        and those with prefill chunks too: the regime's cost is all of it."""
-        if self.block is not None:
-            self.block.steps += 1
-            self.block.tokens += tokens
-            self.block.seconds += seconds
+    def observe(self, tokens: float, seconds: float, drafted: bool) -> None:
+        """A decoding step of the block in progress: its tokens (each verify
+        round at its credit) and seconds (its drafting included);
+        ``drafted``: whether the drafter ran for it. The first round after
+        plain steps (which pays the drafter's catch-up) and steps with
+        prefill chunks count too: the regime's cost is all of it."""
+        block = self.block
+        if block is None:
+            return
+        block.steps += 1
+        if drafted or block.regime == PLAIN:
+            block.measured += 1
+            block.tokens += tokens
+            block.seconds += seconds
