@@ -13,6 +13,7 @@ from models_zoo import model_path, random_prompts
 from specserve import Engine
 from specserve.speculative.dspark import DSparkProposer
 from specserve.speculative.planner import (
+    MARGIN,
     PRIOR,
     SpecPlanner,
     static_lengths,
@@ -231,6 +232,29 @@ def test_refined_lengths_count_the_paid_drafting_in_the_rounds_time() -> None:
     assert best(0.0) < best(0.0056)  # the drafting decides here
     for paid in (0.0, 0.0056):
         assert planner.after_draft([survival], 1, 1, paid) == [best(paid)]
+
+
+def test_a_request_turned_plain_by_hard_text_drafts_again_within_a_few_steps() -> None:
+    """At one request the engine's estimates and the request's own see the
+    same rounds; the engine's move slower, so they stay a longer-run
+    reference: a request whose own fell after a hard stretch drifts back
+    to them and drafts again within a few plain steps (at one weight for
+    both, it waited for the drift toward the prior: 19 steps here)."""
+    table = CostTable([1], [1, 8], [[1.0, 1.0]])  # verifying is free
+    planner = SpecPlanner(4, table, draft_costs=CostTable([1], [1], [[1.5]]))
+    own = None
+    for _ in range(40):  # easy text: every draft taken
+        own = planner.observe_round(own, 4, 4, None)
+    for _ in range(10):  # hard text: the first draft rejected every round
+        own = planner.observe_round(own, 4, 0, None)
+    # Drafting pays where its expected tokens beat the drafter's price.
+    assert 1 + sum(survival_of(planner.rates)) > 2.5 * (1 + MARGIN)
+    assert 1 + sum(survival_of(own)) < 2.5
+    plain_steps = 0
+    while not any(planner.before_draft([own], [4], 1, 0)):
+        own = planner.drift(own)
+        plain_steps += 1
+        assert plain_steps <= 4
 
 
 def test_a_profiled_drafter_prices_every_load_and_is_corrected_online() -> None:

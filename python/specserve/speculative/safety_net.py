@@ -3,8 +3,9 @@ model's decisions against plain steps alone, measured per load bucket in
 blocks of steps, and which of the two decides each next block.
 
 The model decides a bucket's steps only while the steps it drafts for
-measure more goodput there than plain; the loser runs a block now and then, less often the more
-it loses by (plain, beside a model that leads, in short probes)."""
+measure more goodput there than plain; the loser runs a block now and
+then, less often the more it loses by (plain, beside a model that leads,
+in short probes)."""
 
 from __future__ import annotations
 
@@ -18,20 +19,19 @@ from dataclasses import dataclass, field
 # A step is measured if it decoded, and in a model's block, if the model
 # drafted for it: the steps the model itself makes plain are plain steps,
 # and hard text, where it makes most of them, must not make speculation
-# look like a loss where it pays (at one request, blocks of mostly such
-# steps measured plain's goodput less the planner's time, which gave
-# plain the bucket, and the easy text that followed ran plain for
-# several blocks before the model was tried again). A model's block with
-# fewer than PROBE_STEPS measured steps says nothing. Two adjacent blocks of the two
-# regimes give a ratio; the median of a bucket's last NET_RECENT ratios
-# decides. The model keeps a bucket only while it leads by NET_MARGIN (a tie
-# goes plain: speculation must not cost throughput). The loser runs one
-# block every `wait` blocks, `wait` set so that exploring costs about
-# EXPLORE_LOSS of the winner's goodput (a loser that loses by 20% waits 20
-# blocks; a plain probe, a quarter of a block, 5), within [EXPLORE_MIN,
-# EXPLORE_MAX] and doubling at most per exploration. The model runs the
-# first block, plain the second, unless a neighbouring bucket's verdict
-# holds here (``SafetyNet._neighbours_lead``).
+# look like a loss where it pays (such blocks measure plain less the
+# planner's time, and a bucket given to plain runs the easy text that
+# follows plain too, until the model's next block). A model's block with
+# fewer than PROBE_STEPS measured steps says nothing. Two adjacent blocks
+# of the two regimes give a ratio; the median of a bucket's last
+# NET_RECENT ratios decides. The model keeps a bucket only while it leads
+# by NET_MARGIN (a tie goes plain: speculation must not cost throughput).
+# The loser runs one block every `wait` blocks, `wait` set so that
+# exploring costs about EXPLORE_LOSS of the winner's goodput (a loser that
+# loses by 20% waits 20 blocks; a plain probe, a quarter of a block, 5),
+# within [EXPLORE_MIN, EXPLORE_MAX] and doubling at most per exploration.
+# The model runs the first block, plain the second, unless a neighbouring
+# bucket's verdict holds here (``SafetyNet._neighbours_lead``).
 BLOCK_STEPS = 16
 # Plain measured beside a model that leads (or is not judged yet) runs
 # this many steps, a probe: a plain step's goodput depends on neither the
