@@ -96,9 +96,10 @@ MAX_CORRECTION = 16.0
 # the ratios of neighbouring blocks scatter (0.7-2.3 around a lead of 1.25)
 # and a bucket the model led go plain by chance. (Crediting every round the
 # average round's tokens instead hid the text altogether, easy stretches
-# included: at one request with 256-token answers the net then held plain
-# for 55-77% of the steps where the fixed length ran 1.7x plain.) The
-# regimes' costs, which the net is there to judge, count as measured.
+# included: with that, and the model's own plain steps measured, at one
+# request with 256-token answers the net held plain for 55-77% of the
+# steps where the fixed length ran 1.7x plain.) The regimes' costs, which
+# the net is there to judge, count as measured.
 NET_ROUNDS = 64
 
 
