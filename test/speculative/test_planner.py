@@ -220,18 +220,28 @@ def test_an_unmeasured_drafter_load_is_priced_from_the_measured_ones() -> None:
 
 def test_refined_lengths_count_the_paid_drafting_in_the_rounds_time() -> None:
     """After drafting, the lengths maximise the round's tokens over all of
-    its time, the drafting included: every round pays it, so a draft is
-    worth its verify at the round's rate, not at the verify's alone."""
+    its time, the drafting (as predicted) included: every round pays it,
+    so a draft is worth its verify at the round's rate, not at the
+    verify's alone. The budget schedule prices it from its table alone."""
     verify = CostTable([1], [1, 8], [[0.0065, 0.0099]])  # 1 request: 1 .. 8 tokens
-    planner = SpecPlanner(7, verify)
     survival = [0.9, 0.8, 0.6, 0.4, 0.18, 0.16, 0.15]
 
     def best(paid: float) -> int:  # brute force over the round's lengths
         return max(range(8), key=lambda b: (1 + sum(survival[:b])) / (paid + verify(1, 1 + b)))
 
     assert best(0.0) < best(0.0056)  # the drafting decides here
-    for paid in (0.0, 0.0056):
-        assert planner.after_draft([survival], 1, 1, paid) == [best(paid)]
+    free = SpecPlanner(7, verify)  # a drafter never measured: free
+    assert free.after_draft([survival], 1, 1) == [best(0.0)]
+    drafter = CostTable([1, 8], [1], [[0.0056], [0.0200]])
+    for gate in (True, False):
+        planner = SpecPlanner(7, verify, gate=gate, draft_costs=drafter)
+        assert planner.after_draft([survival], 1, 1) == [best(0.0056)]
+        for _ in range(60):  # rounds far cheaper than profiled
+            planner.observe_draft(1, 0.00001)
+        learnt = planner.draft_seconds(1)
+        assert learnt < 0.0001  # corrected online
+        assert planner.after_draft([survival], 1, 1) == [best(learnt if gate else 0.0056)]
+    assert best(0.0001) == best(0.0)  # so the budget schedule kept the table's price
 
 
 def test_a_request_turned_plain_by_hard_text_drafts_again_within_a_few_steps() -> None:
@@ -549,7 +559,7 @@ class Alternating(SpecPlanner):
         self.calls += 1
         return list(limits) if self.calls % 2 else [0] * len(limits)
 
-    def after_draft(self, survival, requests, fixed_tokens, paid=0.0):
+    def after_draft(self, survival, requests, fixed_tokens):
         return [len(s) for s in survival]
 
 

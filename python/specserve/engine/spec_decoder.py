@@ -116,8 +116,7 @@ class SpecDecoder:
                     [1.0] * len(c) if pinned[k] else planner.calibrated(c)
                     for c, k in zip(conf, picked)
                 ]
-                paid = time.perf_counter() - start
-                refined = planner.after_draft(survival, requests, len(todo) + prefill, paid)
+                refined = planner.after_draft(survival, requests, len(todo) + prefill)
             else:
                 refined = [chosen[k] for k in picked]
             lengths = [a if pinned[k] else min(a, b) for a, b, k in zip(lengths, refined, picked)]

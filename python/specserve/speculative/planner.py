@@ -524,20 +524,23 @@ class SpecPlanner:
         return lengths
 
     def after_draft(
-        self,
-        survival: Sequence[Sequence[float]],
-        requests: int,
-        fixed_tokens: int,
-        paid: float = 0.0,
+        self, survival: Sequence[Sequence[float]], requests: int, fixed_tokens: int
     ) -> list[int]:
         """Refines the lengths of what was drafted; ``fixed_tokens``: the next
-        step's tokens with no drafts; ``paid``: the drafting's seconds.
+        step's tokens with no drafts.
 
-        Paid or not, the drafting is part of the round's time, as every
-        round pays it: the lengths maximise the round's tokens over all of
-        it. (Over the verify alone, a draft looked worth its verify only at
-        the verify's own, higher, rate: at one request that cut chains the
-        text would have taken whole, 11% of the fixed length's speed.)"""
+        The drafting is paid by now, but every round pays it: the lengths
+        maximise the round's tokens over all of its time, the drafting as
+        predicted included. (Over the verify alone, a draft looked worth its
+        verify only at the verify's own, higher, rate: at one request that
+        cut chains the text would have taken whole, 11% of the fixed
+        length's speed.) Predicted, not measured: the budget schedule
+        decides from its saved tables alone, run after run alike."""
+        n = len(survival)
+        if self.gate:
+            paid = self.draft_seconds(n)
+        else:
+            paid = self.draft_costs(n, n) if self.draft_costs is not None and n else 0.0
         curve = self.step_curve(requests, fixed_tokens, sum(map(len, survival)) + 1)
         return choose_drafts(survival, [t + paid for t in curve])
 
