@@ -478,7 +478,7 @@ def test_the_net_credits_a_round_its_prediction_scaled_by_what_rounds_committed(
     assert planner.predicted_tokens(own, None, 3) == pytest.approx(1 + sum(survival_of(own[:3])))
     conf = [0.6, 0.6, 0.6, 0.6]
     calibrated = 1 + sum(planner.calibrated(conf[:2]))
-    assert planner.predicted_tokens(own, conf, 2) == pytest.approx(calibrated)
+    assert planner.predicted_tokens(own, planner.calibrated(conf), 2) == pytest.approx(calibrated)
 
     rounds = [(3.0, 0), (3.0, 2), (2.5, 4), (3.5, 4)] * 8  # (predicted, accepted of 4)
     for predicted, accepted in rounds:

@@ -110,11 +110,12 @@ class SpecDecoder:
         proposal = self.proposer.propose(drafting, [limits[k] for k in picked])
         lengths = self.proposer.verify_lengths(proposal)  # a user's threshold
         conf = proposal.confidence
+        # This round's own estimates, the draft paid (None: no confidence head).
+        cal = None if planner is None or conf is None else [planner.calibrated(c) for c in conf]
         if planner is not None:
-            if conf is not None:  # this round's own estimates, the draft paid
+            if cal is not None:
                 survival = [  # a pinned chain is sure to be verified
-                    [1.0] * len(c) if pinned[k] else planner.calibrated(c)
-                    for c, k in zip(conf, picked)
+                    [1.0] * len(s) if pinned[k] else s for s, k in zip(cal, picked)
                 ]
                 refined = planner.after_draft(survival, requests, len(todo) + prefill)
             else:
@@ -125,8 +126,8 @@ class SpecDecoder:
             q = proposal.q[j]
             req.set_drafts(proposal.tokens[j][:n], None if q is None else q[:n])
             if planner is not None and n:
-                c = None if conf is None else conf[j][:n]
-                self._rounds[req.rid] = (c, planner.predicted_tokens(req.accept_rates, c, n))
+                c, s = (None, None) if conf is None or cal is None else (conf[j][:n], cal[j])
+                self._rounds[req.rid] = (c, planner.predicted_tokens(req.accept_rates, s, n))
         if planner is not None:  # a catch-up priced per row (with a profile)
             rows = sum(max(pending[k] - STEADY_ROWS, 0) for k in picked)
             planner.observe_draft(len(drafting), time.perf_counter() - start, rows)

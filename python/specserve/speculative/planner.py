@@ -359,16 +359,14 @@ class SpecPlanner:
         return own
 
     def predicted_tokens(
-        self, own: list[float] | None, confidence: Sequence[float] | None, drafts: int
+        self, own: list[float] | None, calibrated: Sequence[float] | None, drafts: int
     ) -> float:
         """What a round verifying ``drafts`` commits by the planner's estimate:
-        from its drafter's confidences where it has them, else the request's
-        rates (``own``)."""
-        if confidence is not None:
-            survival = self.calibrated(confidence[:drafts])
-        else:
-            survival = survival_of(self.estimates(own)[:drafts])
-        return 1.0 + sum(survival)
+        from its drafter's confidences where it has them (``calibrated``,
+        this round's), else the request's rates (``own``)."""
+        if calibrated is None:
+            calibrated = survival_of(self.estimates(own)[:drafts])
+        return 1.0 + sum(calibrated[:drafts])
 
     def drift(self, own: list[float] | None) -> list[float] | None:
         """A step without drafting: the request's estimates move toward the engine's."""
