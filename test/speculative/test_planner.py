@@ -1,27 +1,17 @@
-"""The cost model that picks each step's verify lengths: the decision
-against a brute-force search, its tables, its online corrections and safety
-net, and engines whose steps it turns plain against plain decoding."""
+"""The planner that picks each step's verify lengths: its decisions under
+injected costs and estimates, its safety net, and engines whose steps it
+turns plain against plain decoding. (The choice itself: test_draft_choice;
+the costs: test_cost_model, test_step_costs.)"""
 
 from __future__ import annotations
-
-import itertools
-import json
 
 import pytest
 
 from models_zoo import model_path, random_prompts
 from specserve import Engine
+from specserve.speculative.draft_choice import survival_of
 from specserve.speculative.dspark import DSparkProposer
-from specserve.speculative.planner import (
-    MARGIN,
-    PRIOR,
-    SpecPlanner,
-    static_lengths,
-    survival_of,
-)
-from specserve.speculative.planner import (
-    choose_drafts as choose_listed,
-)
+from specserve.speculative.planner import MARGIN, PRIOR, SpecPlanner
 from specserve.speculative.safety_net import (
     BLOCK_STEPS,
     EXPLORE_LOSS,
@@ -36,135 +26,12 @@ from specserve.speculative.step_costs import (
     CATCH_UP_ROWS,
     STEADY_ROWS,
     CostTable,
-    StepCosts,
-    profile_costs,
 )
 from specserve.tools.tiny_model import make_tiny_dspark
 
 
-def choose_drafts(survival, step_seconds, fixed_tokens, draft_seconds=None) -> list[int]:
-    """The planner's choice, its costs given as functions of the step's
-    tokens and of the requests drafting."""
-    steps = [step_seconds(fixed_tokens + b) for b in range(sum(map(len, survival)) + 1)]
-    drafts = None
-    if draft_seconds is not None:
-        drafts = [draft_seconds(k) for k in range(len(survival) + 1)]
-    return choose_listed(survival, steps, drafts)
-
-
-def test_static_lengths_stop_at_the_first_low_confidence() -> None:
-    conf = [[0.9, 0.8, 0.3, 0.9], [0.2, 0.9], [0.7, 0.7, 0.7], []]
-    assert static_lengths(conf, 0.5) == [2, 0, 3, 0]
-    assert static_lengths(conf, 0.0) == [4, 2, 3, 0]
-
-
-def test_a_flat_table_verifies_whole_blocks() -> None:
-    survival = [survival_of([0.5] * 4), survival_of([0.1] * 4)]
-    assert choose_drafts(survival, lambda t: 1.0, 2) == [4, 4]
-
-
-def test_a_steep_table_chooses_plain_for_everyone() -> None:
-    survival = [survival_of([0.9] * 4)] * 3
-    # Each token costs as much as the whole plain step.
-    assert choose_drafts(survival, lambda t: float(t), 3) == [0, 0, 0]
-    # The drafter's cost alone can make it plain too.
-    assert choose_drafts(survival, lambda t: 1.0, 3, lambda n: 10.0) == [0, 0, 0]
-
-
-def test_a_mixed_batch_gives_drafts_to_the_confident_first() -> None:
-    survival = [survival_of([0.95] * 4), survival_of([0.2] * 4), survival_of([0.6] * 4)]
-
-    # A plain step of 3 tokens costs 1; every token past 5 costs 0.3.
-    def step(t: int) -> float:
-        return 1.0 + 0.3 * max(0, t - 5)
-
-    lengths = choose_drafts(survival, step, 3)
-    assert lengths[0] >= lengths[2] >= lengths[1]
-    assert lengths[0] > 0 and lengths[1] == 0
-
-
-def goodput(survival, lengths, step, fixed, draft) -> float:
-    expected = len(survival) + sum(sum(s[:k]) for s, k in zip(survival, lengths))
-    seconds = step(fixed + sum(lengths))
-    if draft is not None and any(lengths):
-        seconds += draft(sum(k > 0 for k in lengths))
-    return expected / seconds
-
-
-@pytest.mark.parametrize("seed", range(12))
-def test_the_choice_is_the_best_of_every_prefix_combination(seed) -> None:
-    """Brute force over every (k_1..k_R): none beats the chosen lengths'
-    expected tokens per second, on a staircase (bucketed) cost."""
-    import random
-
-    rng = random.Random(seed)
-    survival = [survival_of([rng.random() for _ in range(3)]) for _ in range(3)]
-    stair = [rng.uniform(0.5, 1.5) for _ in range(4)]
-
-    def step(t: int) -> float:  # constant within buckets of 4 tokens, rising
-        return sum(stair[: 1 + t // 4])
-
-    def draft(n: int) -> float:
-        return 0.2 * n
-
-    chosen = choose_drafts(survival, step, 3, draft)
-    best = max(
-        goodput(survival, ks, step, 3, draft) for ks in itertools.product(range(4), repeat=3)
-    )
-    assert goodput(survival, chosen, step, 3, draft) == pytest.approx(best)
-
-
-def test_the_cost_table_interpolates_and_round_trips(tmp_path) -> None:
-    table = CostTable([1, 4], [1, 8], [[1.0, 2.0], [4.0, 8.0]])
-    assert table(1, 1) == pytest.approx(1.0)
-    assert table(4, 32) == pytest.approx(8.0)
-    assert table(1, 4) == pytest.approx(1.0 + 3 / 7)  # 4 tokens for 1 request
-    assert table(2, 2) == pytest.approx(2.0)  # between 1 and 4 requests at 1 token each
-    assert table(8, 8) == pytest.approx(8.0)  # linear past 4 requests: 1 + 3 * 7 / 3
-    path = tmp_path / "costs.json"
-    draft = CostTable([1, 4], [1], [[0.5], [0.9]])
-    StepCosts(table, draft, draft_row=0.003).save(str(path))
-    back = StepCosts.load(str(path))
-    assert back.target(3, 9) == pytest.approx(table(3, 9))
-    assert back.draft is not None and back.draft(2, 2) == pytest.approx(draft(2, 2))
-    assert back.draft_row == pytest.approx(0.003)
-    StepCosts(table).save(str(path))  # no drafter profiled (n-gram)
-    assert StepCosts.load(str(path)).draft is None
-    (tmp_path / "old.json").write_text(json.dumps({"1": 100.0}))  # the old format
-    with pytest.raises(ValueError, match="sps_table_path"):
-        StepCosts.load(str(tmp_path / "old.json"))
-
-
-def test_profiled_tables_are_monotone() -> None:
-    noisy = {(1, 1): 2.0, (1, 4): 1.0, (2, 1): 1.5, (2, 4): 3.0}
-    clock = [0.0]
-
-    def forward(n: int, c: int) -> None:
-        clock[0] += noisy[(n, c)]
-
-    table = profile_costs(forward, [1, 2], [1, 4], repeats=1, clock=lambda: clock[0])
-    assert table.times == [[2.0, 2.0], [2.0, 3.0]]
-
-
 def flat_planner(step: float = 1.0) -> SpecPlanner:
     return SpecPlanner(4, CostTable([1, 64], [1, 8], [[step, step], [step, step]]))
-
-
-def test_the_online_correction_moves_a_wrong_table_toward_measured_times() -> None:
-    planner = flat_planner(0.001)  # 1 ms: ten times too cheap
-    before = planner.step_seconds(4, 4)
-    for _ in range(60):
-        planner.observe_step(4, 4, 4, 0, 4, 0.010, 0.0)
-    after = planner.step_seconds(4, 4)
-    assert before == pytest.approx(0.001)
-    assert after == pytest.approx(0.010, rel=0.05)
-    # A cell never measured takes the measured factor (here of its only
-    # measured neighbour); once measured, its own.
-    assert planner.step_seconds(64, 512) == pytest.approx(0.010, rel=0.05)
-    for _ in range(60):
-        planner.observe_step(64, 512, 64, 448, 512, 0.002, 0.0)
-    assert planner.step_seconds(64, 512) == pytest.approx(0.002, rel=0.05)
-    assert planner.step_seconds(4, 4) == pytest.approx(0.010, rel=0.05)
 
 
 def test_a_table_profiled_under_load_is_right_once_any_step_is_measured() -> None:
@@ -183,39 +50,11 @@ def test_a_table_profiled_under_load_is_right_once_any_step_is_measured() -> Non
     assert planner.before_draft(owns, limits, 1, 0) == [7]
     for _ in range(60):  # plain steps, measured
         planner.observe_step(1, 1, 1, 0, 1, fast, 0.0)
-    assert planner.step_seconds(1, 1) == pytest.approx(fast, rel=0.05)
-    assert planner.step_seconds(1, 8) == pytest.approx(verify, rel=0.05)
-    assert planner.draft_seconds(1) == pytest.approx(drafting, rel=0.05)
+    assert planner.cost.step_seconds(1, 1) == pytest.approx(fast, rel=0.05)
+    assert planner.cost.step_seconds(1, 8) == pytest.approx(verify, rel=0.05)
+    assert planner.cost.draft_seconds(1) == pytest.approx(drafting, rel=0.05)
     planner.net = SafetyNet()  # the model's decision, not the safety net's
     assert planner.before_draft(owns, limits, 1, 0) == [7]
-
-
-def test_one_slow_step_moves_the_correction_by_a_factor_not_to_itself() -> None:
-    """A first launch or a stall 20x the table must not make the cell look
-    20x dearer (which once kept a batch-1 engine plain for hundreds of
-    steps); steps as the table says keep it there."""
-    planner = flat_planner(0.001)
-    planner.observe_step(1, 4, 1, 3, 2, 0.020, 0.0)
-    assert 0.001 < planner.step_seconds(1, 4) < 0.0015
-    for _ in range(30):
-        planner.observe_step(1, 4, 1, 3, 2, 0.001, 0.0)
-    assert planner.step_seconds(1, 4) == pytest.approx(0.001, rel=0.05)
-
-
-def test_an_unmeasured_drafter_load_is_priced_from_the_measured_ones() -> None:
-    """A load the drafter never ran at is not free (the first rounds at 32
-    requests once cost a sweep 8%): a power law through the measured
-    buckets, between and past them; below them the smallest's cost."""
-    planner = flat_planner()
-    assert planner.draft_seconds(8) == 0.0  # nothing measured: optimistic
-    planner.observe_draft(1, 0.002)
-    planner.observe_draft(8, 0.008)  # 2x per doubling of 8 = 2**3: slope 2/3
-    assert planner.draft_seconds(1) == pytest.approx(0.002)
-    assert planner.draft_seconds(2) == pytest.approx(0.002 * 2 ** (2 / 3))
-    assert planner.draft_seconds(32) == pytest.approx(0.008 * 4 ** (2 / 3))
-    planner.observe_draft(16, 0.005)  # cheaper than 8: the slope past it is 0, not negative
-    assert planner.draft_seconds(64) == pytest.approx(0.005)
-    assert planner._draft_curve(8, 8)[0] == 0.0  # what is paid anyway costs nothing more
 
 
 def test_refined_lengths_count_the_paid_drafting_in_the_rounds_time() -> None:
@@ -238,7 +77,7 @@ def test_refined_lengths_count_the_paid_drafting_in_the_rounds_time() -> None:
         assert planner.after_draft([survival], 1, 1) == [best(0.0056)]
         for _ in range(60):  # rounds far cheaper than profiled
             planner.observe_draft(1, 0.00001)
-        learnt = planner.draft_seconds(1)
+        learnt = planner.cost.draft_seconds(1)
         assert learnt < 0.0001  # corrected online
         assert planner.after_draft([survival], 1, 1) == [best(learnt if gate else 0.0056)]
     assert best(0.0001) == best(0.0)  # so the budget schedule kept the table's price
@@ -267,28 +106,6 @@ def test_a_request_turned_plain_by_hard_text_drafts_again_within_a_few_steps() -
         assert plain_steps <= 4
 
 
-def test_a_profiled_drafter_prices_every_load_and_is_corrected_online() -> None:
-    """With the drafter's round profiled at start-up, no load is unmeasured
-    (a first slow round at 8 requests once priced 1 request's round at 8's
-    for hundreds of steps, and kept a batch-1 engine plain); measured rounds
-    correct their bucket as the step's cells are corrected."""
-    draft = CostTable([1, 8], [1], [[0.002], [0.008]])
-    planner = SpecPlanner(4, CostTable([1], [1], [[1.0]]), draft_costs=draft)
-    assert planner.draft_seconds(1) == pytest.approx(0.002)
-    assert planner.draft_seconds(4) == pytest.approx(0.002 + 0.006 * 3 / 7)
-    planner.observe_draft(8, 0.160)  # one stall: a bounded step, not 20x
-    assert 0.008 < planner.draft_seconds(8) < 0.012
-    for _ in range(60):
-        planner.observe_draft(8, 0.016)
-    assert planner.draft_seconds(8) == pytest.approx(0.016, rel=0.05)
-    # A load never measured takes the measured factor; once measured, its own.
-    assert planner.draft_seconds(1) == pytest.approx(0.004, rel=0.05)
-    for _ in range(60):
-        planner.observe_draft(1, 0.0025)
-    assert planner.draft_seconds(1) == pytest.approx(0.0025, rel=0.05)
-    assert planner.draft_seconds(8) == pytest.approx(0.016, rel=0.05)
-
-
 def test_a_request_with_context_to_catch_up_drafts_only_where_it_pays() -> None:
     """Taking committed positions into the drafter's context costs per row
     (a prompt, or the steps a request did not draft), once for the rounds
@@ -310,17 +127,17 @@ def test_a_request_with_context_to_catch_up_drafts_only_where_it_pays() -> None:
         4,
         4,
     ]
-    assert planner.catch_up_seconds(22) == pytest.approx(0.008)
+    assert planner.cost.catch_up_seconds(22) == pytest.approx(0.008)
     for _ in range(20):  # as priced: a steady round, and one catching up 100 rows
         planner.observe_draft(1, 0.002)
         planner.observe_draft(1, 0.042, pending=100)
-    assert planner.draft_seconds(1) == pytest.approx(0.002, rel=1e-6)
+    assert planner.cost.draft_seconds(1) == pytest.approx(0.002, rel=1e-6)
     # Measured online only (no profile), a catch-up round is not a round's price.
     online = SpecPlanner(4, CostTable([1], [1], [[1.0]]))
     online.observe_draft(1, 0.5, pending=100)
-    assert online.draft_seconds(1) == 0.0
+    assert online.cost.draft_seconds(1) == 0.0
     online.observe_draft(1, 0.002)
-    assert online.draft_seconds(1) == pytest.approx(0.002)
+    assert online.cost.draft_seconds(1) == pytest.approx(0.002)
 
 
 def run_steps(planner: SpecPlanner, steps: int, spec: tuple, plain: tuple, requests: int = 4):
@@ -499,9 +316,9 @@ def test_reset_forgets_what_was_learnt_but_keeps_the_table() -> None:
     run_steps(planner, BLOCK_STEPS * 3, spec=(4, 2.0), plain=(4, 1.0))
     planner.observe_round(None, 4, 0, [0.5] * 4)
     planner.reset()
-    assert planner.rates == [PRIOR] * 4 and not planner.correction and not planner.net.nets
+    assert planner.rates == [PRIOR] * 4 and not planner.cost.correction and not planner.net.nets
     assert planner.net.block is None
-    assert planner.step_seconds(4, 4) == pytest.approx(1.0)
+    assert planner.cost.step_seconds(4, 4) == pytest.approx(1.0)
     assert any(planner.before_draft([[0.9] * 4] * 4, [4] * 4, 4, 0))
 
 
@@ -736,15 +553,18 @@ def test_the_default_engine_profiles_its_table_and_stays_exact(
     try:
         planner = eng.core.spec.planner
         assert planner is not None and planner.gate
-        assert planner.costs.counts[0] == 1 and planner.costs.chains[0] == 1
+        assert planner.cost.costs.counts[0] == 1 and planner.cost.costs.chains[0] == 1
         # The drafter's round is profiled at the same counts.
-        assert planner.draft_costs is not None
-        assert planner.draft_costs.counts == planner.costs.counts
-        assert all(row[0] > 0 for row in planner.draft_costs.times)
+        assert planner.cost.draft_costs is not None
+        assert planner.cost.draft_costs.counts == planner.cost.costs.counts
+        assert all(row[0] > 0 for row in planner.cost.draft_costs.times)
         # And what a row to catch up adds to a round, over several requests'
         # rows (its price may round to 0 on a tiny drafter: it is timed).
-        assert (min(planner.draft_costs.counts[-1], CATCH_UP_REQUESTS), CATCH_UP_ROWS) in profiled
-        assert planner.draft_row >= 0
+        assert (
+            min(planner.cost.draft_costs.counts[-1], CATCH_UP_REQUESTS),
+            CATCH_UP_ROWS,
+        ) in profiled
+        assert planner.cost.draft_row >= 0
         outs = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert [o["output_ids"] for o in outs] == [p["output_ids"] for p in plain_outputs]
         assert eng.stats()["spec_steps"] > 0

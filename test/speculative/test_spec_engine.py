@@ -357,8 +357,10 @@ def test_budget_profile_is_saved_and_reused(drafters, tmp_path) -> None:
         eng.shutdown()
     again = engine(cfg)  # reads the file instead of profiling
     try:
-        assert again.core.spec.planner.costs.times == saved["seconds"]
-        assert again.core.spec.planner.draft_costs.times == [[t] for t in saved["draft_seconds"]]
+        assert again.core.spec.planner.cost.costs.times == saved["seconds"]
+        assert again.core.spec.planner.cost.draft_costs.times == [
+            [t] for t in saved["draft_seconds"]
+        ]
         again.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY)
         # Without the online correction, one table decides alike run after run.
         assert dict(again.core.spec.planner.stats.drafts) == decided

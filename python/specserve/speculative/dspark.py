@@ -45,6 +45,7 @@ from specserve.speculative.block_graphs import (
     eager_block,
     window_attend,
 )
+from specserve.speculative.draft_choice import static_lengths
 from specserve.speculative.draft_shard import (
     DraftPlan,
     DraftShard,
@@ -59,7 +60,6 @@ from specserve.speculative.drafter_loader import (
     pool_pages,
 )
 from specserve.speculative.dspark_model import Attend
-from specserve.speculative.planner import static_lengths
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,9 @@ request's admitted drafts are always a prefix: ``S`` never grows with
 ``j``), B found by an exact scan, since the step cost is a staircase under
 CUDA-graph buckets. B = 0 is a true plain step: no drafter forward.
 
-The step cost comes from a table profiled at start-up on the forwards real
-steps run, corrected online per cell by an EWMA of log(measured / table)
-(a cell never measured: its row's, else the whole table's);
-the draft cost is measured online (priced by a power law where it was
-not). A safety net measures what the engine delivers under the model's
+The costs are ``CostModel``'s: tables profiled at start-up on the forwards
+real steps run, corrected online by what steps measure; the choice is
+``draft_choice.choose_drafts``'s. A safety net measures what the engine delivers under the model's
 decisions and under plain steps alone, in blocks of steps per load bucket
 (short probes for plain while the model leads), and gives a bucket to the
 model only while it measures more goodput there; the loser runs a block
@@ -35,21 +33,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from specserve.speculative.cost_model import ALPHA, CostModel, Ewma
+from specserve.speculative.draft_choice import choose_drafts, survival_of, survivals
 from specserve.speculative.safety_net import PLAIN, SafetyNet
-from specserve.speculative.step_costs import (
-    STEADY_ROWS,
-    CostTable,
-    StepCosts,
-    profile_step_costs,
-)
+from specserve.speculative.step_costs import CostTable, StepCosts, profile_step_costs
 
 if TYPE_CHECKING:  # the planner imports no stage at run time
     from specserve.config import EngineConfig
     from specserve.runner.model_runner import ModelRunner
     from specserve.speculative.base import Proposer
 
-# EWMA weight of one new observation.
-ALPHA = 0.1
 # The engine-wide estimates' weight of one round: slower than a request's
 # own, so that they stay a longer-run reference to drift back to. (At one
 # request both see the same rounds: at one weight, a request whose
@@ -75,9 +68,6 @@ PRIOR_DRIFT = 0.02
 # most (fewer if it has fewer left): the regime may turn plain after a
 # block of steps, and the next catch-up is paid again.
 CATCH_UP_ROUNDS = 8
-# How the drafter's seconds grow per doubling of its requests, in log2,
-# while only one bucket is measured (0: flat, 1: linear).
-DRAFT_SLOPE = 0.5
 # The acceptance assumed before any is measured: optimistic, so that a new
 # engine speculates and measures (the measured costs hold it back where
 # speculation cannot pay, whatever the estimates).
@@ -85,10 +75,6 @@ PRIOR = 0.8
 # Where the calibration of a confidence head starts (accepted and predicted
 # alike).
 CAL_PRIOR = 0.5
-# A correction of the step table takes one measurement as at most this
-# factor off its current prediction (a first launch, a stall), whatever it
-# measured; measurements that keep saying so move it on, by any factor.
-MAX_CORRECTION = 16.0
 # The net credits a verify round the tokens the planner predicted for it,
 # scaled by what rounds committed against their predictions over about
 # this many rounds, not what its own text let through: at one request a
@@ -101,125 +87,6 @@ MAX_CORRECTION = 16.0
 # steps where the fixed length ran 1.7x plain.) The regimes' costs, which
 # the net is there to judge, count as measured.
 NET_ROUNDS = 64
-
-
-# ---- the decision ----------------------------------------------------------------------
-
-
-def choose_drafts(
-    survival: Sequence[Sequence[float]],
-    steps: Sequence[float],
-    drafts: Sequence[float] | None = None,
-    margin: float = 0.0,
-    join_seconds: Sequence[float] | None = None,
-) -> list[int]:
-    """Drafts to verify per request, maximising expected tokens per second.
-
-    ``survival[i][j - 1]``: S_ij, non-increasing in j. ``steps[b]``: the
-    step with b drafts in all (its other tokens, every anchor and any
-    prefill, fixed). ``drafts[k]``: drafting for k requests (None: already
-    paid); ``join_seconds[i]``: what request ``i`` adds to it besides (its
-    context to catch up). A choice with drafts must beat the plain step by
-    ``margin`` (relative).
-
-    The global top-B ranks drafts by S alone, so a request dear to join
-    either joins as soon as its first draft ranks or, left out, keeps the
-    others from their later drafts: each of the dearest few is tried left
-    out of the ranking, and stays out where the step is worth more so.
-    (Plain Python: over the few dozen drafts of a step, numpy's per-call
-    overhead cost more than the scan, several times over at one request.)"""
-    r = len(survival)
-    drafts = [0.0] * (r + 1) if drafts is None else drafts
-    join = [0.0] * r if join_seconds is None else join_seconds
-    # Every draft, ranked: by S descending, then j, then i (a request's first
-    # draft ranks before its others, so it is where the request joins).
-    ranked = sorted((-x, j, i) for i, row in enumerate(survival) for j, x in enumerate(row, 1))
-    plain = r / max(steps[0], 1e-12) * (1.0 + margin)
-
-    def best(out: set[int]) -> tuple[list[int], float]:
-        """The best top-B of the drafts of requests not in ``out`` (an exact
-        scan over every B) and its worth: the plain step's if none beats it."""
-        tokens, drafting, joined, b, top, top_b = float(r), 0, 0.0, 0, -1.0, 0
-        for neg_s, j, i in ranked:
-            if i in out:
-                continue
-            b += 1
-            tokens -= neg_s
-            if j == 1:
-                drafting += 1
-                joined += join[i]
-            rate = tokens / max(steps[b] + drafts[drafting] + joined, 1e-12)
-            if rate > top:
-                top, top_b = rate, b
-        chosen = [0] * r
-        if top <= plain:
-            return chosen, plain
-        for _, j, i in (d for d in ranked if d[2] not in out):
-            if top_b == 0:
-                break
-            top_b -= 1
-            chosen[i] = max(chosen[i], j)
-        return chosen, top
-
-    out: set[int] = set()
-    lengths, rate = best(out)
-    dearest = sorted((-x, i) for i, x in enumerate(join) if x > 0 and survival[i])
-    for _, i in dearest[:MAX_LEFT_OUT]:
-        trial, trial_rate = best(out | {i})
-        if trial_rate > rate:
-            lengths, rate, out = trial, trial_rate, out | {i}
-    return lengths
-
-
-# How many of the requests dearest to join ``choose_drafts`` tries leaving out.
-MAX_LEFT_OUT = 4
-
-
-def survival_of(rates: Sequence[float]) -> list[float]:
-    """Running products of per-position acceptance rates (each in [0, 1])."""
-    out, a = [], 1.0
-    for r in rates:
-        a *= min(max(r, 0.0), 1.0)
-        out.append(a)
-    return out
-
-
-def survivals(rates: Sequence[Sequence[float]], limits: Sequence[int]) -> list[list[float]]:
-    """``survival_of`` each request's first ``limits[i]`` rates."""
-    return [survival_of(r[:k]) for r, k in zip(rates, limits)]
-
-
-def static_lengths(confidence: Sequence[Sequence[float]], threshold: float) -> list[int]:
-    """Drafts before the first confidence below ``threshold``."""
-    lengths = []
-    for conf in confidence:
-        n = 0
-        while n < len(conf) and conf[n] >= threshold:
-            n += 1
-        lengths.append(n)
-    return lengths
-
-
-def bucket(n: int) -> int:
-    """log2 load bucket: 1, 2-3, 4-7, ..."""
-    return max(n, 1).bit_length() - 1
-
-
-@dataclass
-class _Ewma:
-    value: float | None = None
-    count: int = 0
-
-    def add(self, x: float) -> None:
-        self.value = x if self.value is None else self.value + ALPHA * (x - self.value)
-        self.count += 1
-
-    def add_log(self, x: float) -> None:
-        """A log-ratio, its step from the current value at most log(MAX_CORRECTION)."""
-        assert self.value is not None
-        limit = math.log(MAX_CORRECTION)
-        self.value += ALPHA * min(max(x - self.value, -limit), limit)
-        self.count += 1
 
 
 @dataclass
@@ -281,9 +148,7 @@ class SpecPlanner:
         measured online only); ``draft_row``: the seconds a pending row
         past ``STEADY_ROWS`` per request adds to a round (``StepCosts``)."""
         self.width = width
-        self.costs = costs
-        self.draft_costs = draft_costs
-        self.draft_row = draft_row if draft_costs is not None else 0.0
+        self.cost = CostModel(costs, draft_costs, draft_row)
         self.gate = gate
         self.prior = prior
         self.reset()
@@ -298,24 +163,9 @@ class SpecPlanner:
         # that a first rejection moves the scale by a step, not to 0 (which
         # would cut every later chain to nothing, and so never be measured
         # again).
-        self.cal_acc = [_Ewma(value=CAL_PRIOR) for _ in range(self.width)]
-        self.cal_conf = [_Ewma(value=CAL_PRIOR) for _ in range(self.width)]
-        # log(measured / profiled) per cell: an EWMA in logs, so an outlier
-        # moves it by a factor, not to itself. A cell never measured takes
-        # its requests bucket's (every cell of it measured so far), else the
-        # whole table's: a table wrong by one factor (profiled while another
-        # process ran) is right again as soon as any step is measured, the
-        # verify cells a plain engine never runs included. A cell's first
-        # measurement starts from that.
-        self.correction: dict[tuple[int, int], _Ewma] = {}
-        self.row_correction: dict[int, _Ewma] = {}
-        self.table_correction = _Ewma(value=0.0)
-        # By drafting-requests bucket: log(measured / profiled) with a
-        # profile (as the step's cells; a bucket never measured takes the
-        # drafter's other buckets', else the target table's), else the
-        # seconds themselves.
-        self.draft_cost: dict[int, _Ewma] = {}
-        self.draft_correction: _Ewma | None = None
+        self.cal_acc = [Ewma(value=CAL_PRIOR) for _ in range(self.width)]
+        self.cal_conf = [Ewma(value=CAL_PRIOR) for _ in range(self.width)]
+        self.cost.reset()
         self.net = SafetyNet()  # who decides each block of steps
         # Rounds' committed and predicted tokens: the scale of the net's credit.
         self.committed = _Mean(NET_ROUNDS)
@@ -384,99 +234,6 @@ class SpecPlanner:
             rates.append(c * scale)
         return survival_of(rates)
 
-    # ---- costs -----------------------------------------------------------------------
-
-    def step_seconds(self, requests: int, tokens: int) -> float:
-        return self.step_curve(requests, tokens, 1)[0]
-
-    def step_curve(self, requests: int, first: int, n: int) -> list[float]:
-        """``step_seconds`` at ``first`` .. ``first + n - 1`` tokens."""
-        out = self.costs.curve(requests, first, n)
-        r = max(requests, 1)
-        k = 0
-        while k < n:  # one cell per run of tokens per request in one bucket
-            tokens_bucket = bucket(max(first + k, 1) // r)
-            end = min(n, (1 << (tokens_bucket + 1)) * r - first)
-            f = self._factor((bucket(r), tokens_bucket))
-            if f != 1.0:
-                out[k:end] = [t * f for t in out[k:end]]
-            k = max(end, k + 1)
-        return out
-
-    def _factor(self, cell: tuple[int, int]) -> float:
-        """The measured / table factor of a cell (1 before any measurement)."""
-        fix = self._correction_of(cell)
-        return math.exp(fix.value) if fix.value else 1.0
-
-    def _correction_of(self, cell: tuple[int, int]) -> _Ewma:
-        """A cell's correction, or what stands in for it (see ``reset``)."""
-        fix = self.correction.get(cell) or self.row_correction.get(cell[0])
-        return fix or self.table_correction
-
-    def draft_seconds(self, n: int) -> float:
-        """The drafter for ``n`` requests (0 before any was measured)."""
-        return self._draft_buckets(bucket(n))[-1] if n else 0.0
-
-    def _draft_buckets(self, top: int) -> list[float]:
-        """The drafter's seconds per requests bucket 0 .. ``top``: profiled
-        and corrected online (as the step's cells), or without a profile
-        measured, else a power law through the measured neighbours (past
-        the largest, the slope of the two largest, within [0, 1]: never
-        dearer per request for more of them). Below the smallest, its
-        seconds: a bucket that drafts once is measured."""
-        if self.draft_costs is not None:
-            out = []
-            fallback = self.draft_correction or self.table_correction
-            for b in range(top + 1):
-                fix = self.draft_cost.get(b, fallback)
-                f = math.exp(fix.value) if fix.value else 1.0
-                out.append(self.draft_costs(1 << b, 1 << b) * f)
-            return out
-        known = sorted((b, e.value) for b, e in self.draft_cost.items() if e.value is not None)
-        if not known:
-            return [0.0] * (top + 1)
-        if len(known) > 1:
-            (b0, v0), (b1, v1) = known[-2], known[-1]
-            slope = min(max(math.log2(max(v1, 1e-12) / max(v0, 1e-12)) / (b1 - b0), 0.0), 1.0)
-        else:
-            slope = DRAFT_SLOPE
-        out, i = [], 0
-        for b in range(top + 1):
-            while i < len(known) and known[i][0] < b:
-                i += 1
-            if i < len(known) and known[i][0] == b:
-                out.append(known[i][1])
-            elif i == 0:
-                out.append(known[0][1])
-            elif i == len(known):
-                bl, vl = known[-1]
-                out.append(vl * 2 ** (slope * (b - bl)))
-            else:  # between two measured buckets: geometric
-                (b0, v0), (b1, v1) = known[i - 1], known[i]
-                out.append(v0 * (v1 / v0) ** ((b - b0) / (b1 - b0)) if v0 > 0 else v1)
-        return out
-
-    def _draft_curve(self, paid: int, n: int) -> list[float]:
-        """``draft_seconds(paid + k) - draft_seconds(paid)`` for k in 0 .. n:
-        the drafter's extra cost of k more requests when ``paid`` draft anyway."""
-        per_bucket = self._draft_buckets(bucket(paid + n))
-        base = per_bucket[bucket(paid)] if paid else 0.0
-        return [
-            max(per_bucket[bucket(m)] - base, 0.0) if m else 0.0 for m in range(paid, paid + n + 1)
-        ]
-
-    def catch_up_seconds(self, pending: int) -> float:
-        """What a request with ``pending`` rows adds to a round's drafting,
-        corrected as the drafter's round is."""
-        extra = max(pending - STEADY_ROWS, 0)
-        if not extra or not self.draft_row:
-            return 0.0
-        fix = self.draft_correction or self.table_correction
-        return self.draft_row * extra * (math.exp(fix.value) if fix.value else 1.0)
-
-    def _cell(self, requests: int, tokens: int) -> tuple[int, int]:
-        return bucket(requests), bucket(max(tokens, 1) // max(requests, 1))
-
     # ---- decisions -------------------------------------------------------------------
 
     def before_draft(
@@ -507,13 +264,13 @@ class SpecPlanner:
             return [0] * len(owns)
         survival = survivals([self.estimates(o) for o in owns], limits)
         fixed = len(owns) + extra
-        curve = self.step_curve(requests, fixed, sum(limits) + 1)
-        draft = self._draft_curve(drafting, len(owns))
+        curve = self.cost.step_curve(requests, fixed, sum(limits) + 1)
+        draft = self.cost.draft_curve(drafting, len(owns))
         join = None
         if pending is not None:
             left = remaining or [1] * len(pending)
             join = [
-                self.catch_up_seconds(p) / min(max(n / (1 + sum(s)), 1.0), CATCH_UP_ROUNDS)
+                self.cost.catch_up_seconds(p) / min(max(n / (1 + sum(s)), 1.0), CATCH_UP_ROUNDS)
                 for p, s, n in zip(pending, survival, left)
             ]
         lengths = choose_drafts(survival, curve, draft, MARGIN, join)
@@ -535,11 +292,8 @@ class SpecPlanner:
         length's speed.) Predicted, not measured: the budget schedule
         decides from its saved tables alone, run after run alike."""
         n = len(survival)
-        if self.gate:
-            paid = self.draft_seconds(n)
-        else:
-            paid = self.draft_costs(n, n) if self.draft_costs is not None and n else 0.0
-        curve = self.step_curve(requests, fixed_tokens, sum(map(len, survival)) + 1)
+        paid = self.cost.draft_seconds(n) if self.gate else self.cost.profiled_draft_seconds(n)
+        curve = self.cost.step_curve(requests, fixed_tokens, sum(map(len, survival)) + 1)
         return choose_drafts(survival, [t + paid for t in curve])
 
     def regime(self, requests: int) -> str:
@@ -549,20 +303,8 @@ class SpecPlanner:
     # ---- measurements ----------------------------------------------------------------
 
     def observe_draft(self, n: int, seconds: float, pending: int = 0) -> None:
-        """A round for ``n`` requests in ``seconds``, with ``pending`` rows past
-        ``STEADY_ROWS`` per request to catch up in all (measured online
-        only: only rounds without any are)."""
-        if self.draft_costs is None:
-            if not pending:
-                self.draft_cost.setdefault(bucket(n), _Ewma()).add(seconds)
-            return
-        predicted = self.draft_costs(n, n) + self.draft_row * pending
-        x = math.log(max(seconds, 1e-12) / max(predicted, 1e-12))
-        start = (self.draft_correction or self.table_correction).value
-        if self.draft_correction is None:
-            self.draft_correction = _Ewma(value=start)
-        self.draft_cost.setdefault(bucket(n), _Ewma(value=start)).add_log(x)
-        self.draft_correction.add_log(x)
+        """A drafting round measured (``CostModel.observe_draft``)."""
+        self.cost.observe_draft(n, seconds, pending)
 
     def observe_step(
         self,
@@ -582,16 +324,8 @@ class SpecPlanner:
         ``drafted``: whether the drafter ran for it, None: whether it
         verified drafts). The net counts each of the step's rounds
         (``observe_round``, before this) at its credit (``NET_ROUNDS``)."""
-        cell = self._cell(requests, tokens)
-        raw = self.costs(requests, tokens)
-        self.stats.predicted_seconds += raw * self._factor(cell)
-        if self.gate:  # without it the saved table decides alone, run after run alike
-            x = math.log(max(seconds, 1e-12) / max(raw, 1e-12))
-            if cell not in self.correction:
-                self.correction[cell] = _Ewma(value=self._correction_of(cell).value)
-            row = self.row_correction.setdefault(cell[0], _Ewma(value=self.table_correction.value))
-            for fix in (self.correction[cell], row, self.table_correction):
-                fix.add_log(x)
+        # Without the gate the saved table decides alone, run after run alike.
+        self.stats.predicted_seconds += self.cost.observe_step(requests, tokens, seconds, self.gate)
         self.stats.measured_seconds += seconds
         credit, self._credit = self._credit, 0.0
         if math.isfinite(seconds) and decoding:

@@ -1,0 +1,215 @@
+"""What the planner predicts a step and a drafting round cost: the
+profiled tables (``step_costs.py``) corrected online by what steps measure.
+
+The step's cost is the target table's, corrected per cell by an EWMA of
+log(measured / table) (a cell never measured: its row's, else the whole
+table's). The drafter's round is its profiled table's, corrected the same
+way per requests bucket, or without a profile measured online and priced
+by a power law where it was not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specserve.speculative.step_costs import STEADY_ROWS, CostTable
+
+# EWMA weight of one new observation (a cost correction, an acceptance estimate).
+ALPHA = 0.1
+# How the drafter's seconds grow per doubling of its requests, in log2,
+# while only one bucket is measured (0: flat, 1: linear).
+DRAFT_SLOPE = 0.5
+# A correction of the step table takes one measurement as at most this
+# factor off its current prediction (a first launch, a stall), whatever it
+# measured; measurements that keep saying so move it on, by any factor.
+MAX_CORRECTION = 16.0
+
+
+def bucket(n: int) -> int:
+    """log2 load bucket: 1, 2-3, 4-7, ..."""
+    return max(n, 1).bit_length() - 1
+
+
+@dataclass
+class Ewma:
+    value: float | None = None
+    count: int = 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + ALPHA * (x - self.value)
+        self.count += 1
+
+    def add_log(self, x: float) -> None:
+        """A log-ratio, its step from the current value at most log(MAX_CORRECTION)."""
+        assert self.value is not None
+        limit = math.log(MAX_CORRECTION)
+        self.value += ALPHA * min(max(x - self.value, -limit), limit)
+        self.count += 1
+
+
+class CostModel:
+    """The seconds of a target step and of a drafting round, as predicted now."""
+
+    def __init__(
+        self, costs: CostTable, draft_costs: CostTable | None = None, draft_row: float = 0.0
+    ):
+        """``draft_costs``: the drafter's round by requests, profiled (None:
+        measured online only); ``draft_row``: the seconds a pending row past
+        ``STEADY_ROWS`` per request adds to a round (``StepCosts``)."""
+        self.costs = costs
+        self.draft_costs = draft_costs
+        self.draft_row = draft_row if draft_costs is not None else 0.0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets every correction; the profiled tables stay."""
+        # log(measured / profiled) per cell: an EWMA in logs, so an outlier
+        # moves it by a factor, not to itself. A cell never measured takes
+        # its requests bucket's (every cell of it measured so far), else the
+        # whole table's: a table wrong by one factor (profiled while another
+        # process ran) is right again as soon as any step is measured, the
+        # verify cells a plain engine never runs included. A cell's first
+        # measurement starts from that.
+        self.correction: dict[tuple[int, int], Ewma] = {}
+        self.row_correction: dict[int, Ewma] = {}
+        self.table_correction = Ewma(value=0.0)
+        # By drafting-requests bucket: log(measured / profiled) with a
+        # profile (as the step's cells; a bucket never measured takes the
+        # drafter's other buckets', else the target table's), else the
+        # seconds themselves.
+        self.draft_cost: dict[int, Ewma] = {}
+        self.draft_correction: Ewma | None = None
+
+    # ---- the target's step -----------------------------------------------------------
+
+    def step_seconds(self, requests: int, tokens: int) -> float:
+        return self.step_curve(requests, tokens, 1)[0]
+
+    def step_curve(self, requests: int, first: int, n: int) -> list[float]:
+        """``step_seconds`` at ``first`` .. ``first + n - 1`` tokens."""
+        out = self.costs.curve(requests, first, n)
+        r = max(requests, 1)
+        k = 0
+        while k < n:  # one cell per run of tokens per request in one bucket
+            tokens_bucket = bucket(max(first + k, 1) // r)
+            end = min(n, (1 << (tokens_bucket + 1)) * r - first)
+            f = self._factor((bucket(r), tokens_bucket))
+            if f != 1.0:
+                out[k:end] = [t * f for t in out[k:end]]
+            k = max(end, k + 1)
+        return out
+
+    def observe_step(self, requests: int, tokens: int, seconds: float, learn: bool) -> float:
+        """A step measured at ``seconds``; returns what was predicted of it.
+        ``learn``: correct the table by it (without, a saved table decides
+        alone, run after run alike)."""
+        cell = _cell(requests, tokens)
+        raw = self.costs(requests, tokens)
+        predicted = raw * self._factor(cell)
+        if learn:
+            x = math.log(max(seconds, 1e-12) / max(raw, 1e-12))
+            if cell not in self.correction:
+                self.correction[cell] = Ewma(value=self._correction_of(cell).value)
+            row = self.row_correction.setdefault(cell[0], Ewma(value=self.table_correction.value))
+            for fix in (self.correction[cell], row, self.table_correction):
+                fix.add_log(x)
+        return predicted
+
+    def _factor(self, cell: tuple[int, int]) -> float:
+        """The measured / table factor of a cell (1 before any measurement)."""
+        fix = self._correction_of(cell)
+        return math.exp(fix.value) if fix.value else 1.0
+
+    def _correction_of(self, cell: tuple[int, int]) -> Ewma:
+        """A cell's correction, or what stands in for it (see ``reset``)."""
+        fix = self.correction.get(cell) or self.row_correction.get(cell[0])
+        return fix or self.table_correction
+
+    # ---- the drafter's round ---------------------------------------------------------
+
+    def draft_seconds(self, n: int) -> float:
+        """The drafter for ``n`` requests (0 before any was measured)."""
+        return self._draft_buckets(bucket(n))[-1] if n else 0.0
+
+    def profiled_draft_seconds(self, n: int) -> float:
+        """The drafter for ``n`` requests by its profiled table alone (0
+        without one): what a saved table decides run after run alike."""
+        return self.draft_costs(n, n) if self.draft_costs is not None and n else 0.0
+
+    def draft_curve(self, paid: int, n: int) -> list[float]:
+        """``draft_seconds(paid + k) - draft_seconds(paid)`` for k in 0 .. n:
+        the drafter's extra cost of k more requests when ``paid`` draft anyway."""
+        per_bucket = self._draft_buckets(bucket(paid + n))
+        base = per_bucket[bucket(paid)] if paid else 0.0
+        return [
+            max(per_bucket[bucket(m)] - base, 0.0) if m else 0.0 for m in range(paid, paid + n + 1)
+        ]
+
+    def catch_up_seconds(self, pending: int) -> float:
+        """What a request with ``pending`` rows adds to a round's drafting,
+        corrected as the drafter's round is."""
+        extra = max(pending - STEADY_ROWS, 0)
+        if not extra or not self.draft_row:
+            return 0.0
+        fix = self.draft_correction or self.table_correction
+        return self.draft_row * extra * (math.exp(fix.value) if fix.value else 1.0)
+
+    def observe_draft(self, n: int, seconds: float, pending: int = 0) -> None:
+        """A round for ``n`` requests in ``seconds``, with ``pending`` rows past
+        ``STEADY_ROWS`` per request to catch up in all (measured online
+        only: only rounds without any are)."""
+        if self.draft_costs is None:
+            if not pending:
+                self.draft_cost.setdefault(bucket(n), Ewma()).add(seconds)
+            return
+        predicted = self.draft_costs(n, n) + self.draft_row * pending
+        x = math.log(max(seconds, 1e-12) / max(predicted, 1e-12))
+        start = (self.draft_correction or self.table_correction).value
+        if self.draft_correction is None:
+            self.draft_correction = Ewma(value=start)
+        self.draft_cost.setdefault(bucket(n), Ewma(value=start)).add_log(x)
+        self.draft_correction.add_log(x)
+
+    def _draft_buckets(self, top: int) -> list[float]:
+        """The drafter's seconds per requests bucket 0 .. ``top``: profiled
+        and corrected online (as the step's cells), or without a profile
+        measured, else a power law through the measured neighbours (past
+        the largest, the slope of the two largest, within [0, 1]: never
+        dearer per request for more of them). Below the smallest, its
+        seconds: a bucket that drafts once is measured."""
+        if self.draft_costs is not None:
+            out = []
+            fallback = self.draft_correction or self.table_correction
+            for b in range(top + 1):
+                fix = self.draft_cost.get(b, fallback)
+                f = math.exp(fix.value) if fix.value else 1.0
+                out.append(self.draft_costs(1 << b, 1 << b) * f)
+            return out
+        known = sorted((b, e.value) for b, e in self.draft_cost.items() if e.value is not None)
+        if not known:
+            return [0.0] * (top + 1)
+        if len(known) > 1:
+            (b0, v0), (b1, v1) = known[-2], known[-1]
+            slope = min(max(math.log2(max(v1, 1e-12) / max(v0, 1e-12)) / (b1 - b0), 0.0), 1.0)
+        else:
+            slope = DRAFT_SLOPE
+        out, i = [], 0
+        for b in range(top + 1):
+            while i < len(known) and known[i][0] < b:
+                i += 1
+            if i < len(known) and known[i][0] == b:
+                out.append(known[i][1])
+            elif i == 0:
+                out.append(known[0][1])
+            elif i == len(known):
+                bl, vl = known[-1]
+                out.append(vl * 2 ** (slope * (b - bl)))
+            else:  # between two measured buckets: geometric
+                (b0, v0), (b1, v1) = known[i - 1], known[i]
+                out.append(v0 * (v1 / v0) ** ((b - b0) / (b1 - b0)) if v0 > 0 else v1)
+        return out
+
+
+def _cell(requests: int, tokens: int) -> tuple[int, int]:
+    return bucket(requests), bucket(max(tokens, 1) // max(requests, 1))

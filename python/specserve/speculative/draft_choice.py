@@ -1,0 +1,100 @@
+"""The planner's decision: how many drafts each request verifies, a global
+top-B of every request's survival estimates, B found by an exact scan
+over a step's cost curve (a staircase under CUDA-graph buckets)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# How many of the requests dearest to join ``choose_drafts`` tries leaving out.
+MAX_LEFT_OUT = 4
+
+
+def choose_drafts(
+    survival: Sequence[Sequence[float]],
+    steps: Sequence[float],
+    drafts: Sequence[float] | None = None,
+    margin: float = 0.0,
+    join_seconds: Sequence[float] | None = None,
+) -> list[int]:
+    """Drafts to verify per request, maximising expected tokens per second.
+
+    ``survival[i][j - 1]``: S_ij, non-increasing in j. ``steps[b]``: the
+    step with b drafts in all (its other tokens, every anchor and any
+    prefill, fixed). ``drafts[k]``: drafting for k requests (None: already
+    paid); ``join_seconds[i]``: what request ``i`` adds to it besides (its
+    context to catch up). A choice with drafts must beat the plain step by
+    ``margin`` (relative).
+
+    The global top-B ranks drafts by S alone, so a request dear to join
+    either joins as soon as its first draft ranks or, left out, keeps the
+    others from their later drafts: each of the dearest few is tried left
+    out of the ranking, and stays out where the step is worth more so.
+    (Plain Python: over the few dozen drafts of a step, numpy's per-call
+    overhead cost more than the scan, several times over at one request.)"""
+    r = len(survival)
+    drafts = [0.0] * (r + 1) if drafts is None else drafts
+    join = [0.0] * r if join_seconds is None else join_seconds
+    # Every draft, ranked: by S descending, then j, then i (a request's first
+    # draft ranks before its others, so it is where the request joins).
+    ranked = sorted((-x, j, i) for i, row in enumerate(survival) for j, x in enumerate(row, 1))
+    plain = r / max(steps[0], 1e-12) * (1.0 + margin)
+
+    def best(out: set[int]) -> tuple[list[int], float]:
+        """The best top-B of the drafts of requests not in ``out`` (an exact
+        scan over every B) and its worth: the plain step's if none beats it."""
+        tokens, drafting, joined, b, top, top_b = float(r), 0, 0.0, 0, -1.0, 0
+        for neg_s, j, i in ranked:
+            if i in out:
+                continue
+            b += 1
+            tokens -= neg_s
+            if j == 1:
+                drafting += 1
+                joined += join[i]
+            rate = tokens / max(steps[b] + drafts[drafting] + joined, 1e-12)
+            if rate > top:
+                top, top_b = rate, b
+        chosen = [0] * r
+        if top <= plain:
+            return chosen, plain
+        for _, j, i in (d for d in ranked if d[2] not in out):
+            if top_b == 0:
+                break
+            top_b -= 1
+            chosen[i] = max(chosen[i], j)
+        return chosen, top
+
+    out: set[int] = set()
+    lengths, rate = best(out)
+    dearest = sorted((-x, i) for i, x in enumerate(join) if x > 0 and survival[i])
+    for _, i in dearest[:MAX_LEFT_OUT]:
+        trial, trial_rate = best(out | {i})
+        if trial_rate > rate:
+            lengths, rate, out = trial, trial_rate, out | {i}
+    return lengths
+
+
+def survival_of(rates: Sequence[float]) -> list[float]:
+    """Running products of per-position acceptance rates (each in [0, 1])."""
+    out, a = [], 1.0
+    for r in rates:
+        a *= min(max(r, 0.0), 1.0)
+        out.append(a)
+    return out
+
+
+def survivals(rates: Sequence[Sequence[float]], limits: Sequence[int]) -> list[list[float]]:
+    """``survival_of`` each request's first ``limits[i]`` rates."""
+    return [survival_of(r[:k]) for r, k in zip(rates, limits)]
+
+
+def static_lengths(confidence: Sequence[Sequence[float]], threshold: float) -> list[int]:
+    """Drafts before the first confidence below ``threshold``."""
+    lengths = []
+    for conf in confidence:
+        n = 0
+        while n < len(conf) and conf[n] >= threshold:
+            n += 1
+        lengths.append(n)
+    return lengths

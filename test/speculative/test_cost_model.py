@@ -1,0 +1,89 @@
+"""The costs the planner predicts: profiled tables corrected online by
+measured steps and drafting rounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.speculative.cost_model import CostModel
+from specserve.speculative.step_costs import CostTable
+
+
+def flat_costs(step: float = 1.0) -> CostModel:
+    return CostModel(CostTable([1, 64], [1, 8], [[step, step], [step, step]]))
+
+
+def test_the_online_correction_moves_a_wrong_table_toward_measured_times() -> None:
+    model = flat_costs(0.001)  # 1 ms: ten times too cheap
+    before = model.step_seconds(4, 4)
+    for _ in range(60):
+        model.observe_step(4, 4, 0.010, learn=True)
+    after = model.step_seconds(4, 4)
+    assert before == pytest.approx(0.001)
+    assert after == pytest.approx(0.010, rel=0.05)
+    # A cell never measured takes the measured factor (here of its only
+    # measured neighbour); once measured, its own.
+    assert model.step_seconds(64, 512) == pytest.approx(0.010, rel=0.05)
+    for _ in range(60):
+        model.observe_step(64, 512, 0.002, learn=True)
+    assert model.step_seconds(64, 512) == pytest.approx(0.002, rel=0.05)
+    assert model.step_seconds(4, 4) == pytest.approx(0.010, rel=0.05)
+
+
+def test_one_slow_step_moves_the_correction_by_a_factor_not_to_itself() -> None:
+    """A first launch or a stall 20x the table must not make the cell look
+    20x dearer (which once kept a batch-1 engine plain for hundreds of
+    steps); steps as the table says keep it there."""
+    model = flat_costs(0.001)
+    model.observe_step(1, 4, 0.020, learn=True)
+    assert 0.001 < model.step_seconds(1, 4) < 0.0015
+    for _ in range(30):
+        model.observe_step(1, 4, 0.001, learn=True)
+    assert model.step_seconds(1, 4) == pytest.approx(0.001, rel=0.05)
+
+
+def test_an_unmeasured_drafter_load_is_priced_from_the_measured_ones() -> None:
+    """A load the drafter never ran at is not free (the first rounds at 32
+    requests once cost a sweep 8%): a power law through the measured
+    buckets, between and past them; below them the smallest's cost."""
+    model = flat_costs()
+    assert model.draft_seconds(8) == 0.0  # nothing measured: optimistic
+    model.observe_draft(1, 0.002)
+    model.observe_draft(8, 0.008)  # 2x per doubling of 8 = 2**3: slope 2/3
+    assert model.draft_seconds(1) == pytest.approx(0.002)
+    assert model.draft_seconds(2) == pytest.approx(0.002 * 2 ** (2 / 3))
+    assert model.draft_seconds(32) == pytest.approx(0.008 * 4 ** (2 / 3))
+    model.observe_draft(16, 0.005)  # cheaper than 8: the slope past it is 0, not negative
+    assert model.draft_seconds(64) == pytest.approx(0.005)
+    assert model.draft_curve(8, 8)[0] == 0.0  # what is paid anyway costs nothing more
+
+
+def test_a_profiled_drafter_prices_every_load_and_is_corrected_online() -> None:
+    """With the drafter's round profiled at start-up, no load is unmeasured
+    (a first slow round at 8 requests once priced 1 request's round at 8's
+    for hundreds of steps, and kept a batch-1 engine plain); measured rounds
+    correct their bucket as the step's cells are corrected."""
+    draft = CostTable([1, 8], [1], [[0.002], [0.008]])
+    model = CostModel(CostTable([1], [1], [[1.0]]), draft_costs=draft)
+    assert model.draft_seconds(1) == pytest.approx(0.002)
+    assert model.draft_seconds(4) == pytest.approx(0.002 + 0.006 * 3 / 7)
+    model.observe_draft(8, 0.160)  # one stall: a bounded step, not 20x
+    assert 0.008 < model.draft_seconds(8) < 0.012
+    for _ in range(60):
+        model.observe_draft(8, 0.016)
+    assert model.draft_seconds(8) == pytest.approx(0.016, rel=0.05)
+    # A load never measured takes the measured factor; once measured, its own.
+    assert model.draft_seconds(1) == pytest.approx(0.004, rel=0.05)
+    for _ in range(60):
+        model.observe_draft(1, 0.0025)
+    assert model.draft_seconds(1) == pytest.approx(0.0025, rel=0.05)
+    assert model.draft_seconds(8) == pytest.approx(0.016, rel=0.05)
+
+
+def test_a_table_without_learning_keeps_its_prediction() -> None:
+    """A saved table decides alone (the budget schedule): measured steps
+    report what it predicted and leave it as it was."""
+    model = flat_costs(0.001)
+    for _ in range(20):
+        assert model.observe_step(4, 4, 0.010, learn=False) == pytest.approx(0.001)
+    assert model.step_seconds(4, 4) == pytest.approx(0.001)

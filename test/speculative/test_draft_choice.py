@@ -1,0 +1,83 @@
+"""The planner's decision against a brute-force search: a global top-B of
+the requests' survival estimates over a step's cost curve."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from specserve.speculative.draft_choice import choose_drafts as choose_listed
+from specserve.speculative.draft_choice import static_lengths, survival_of
+
+
+def choose_drafts(survival, step_seconds, fixed_tokens, draft_seconds=None) -> list[int]:
+    """The planner's choice, its costs given as functions of the step's
+    tokens and of the requests drafting."""
+    steps = [step_seconds(fixed_tokens + b) for b in range(sum(map(len, survival)) + 1)]
+    drafts = None
+    if draft_seconds is not None:
+        drafts = [draft_seconds(k) for k in range(len(survival) + 1)]
+    return choose_listed(survival, steps, drafts)
+
+
+def test_static_lengths_stop_at_the_first_low_confidence() -> None:
+    conf = [[0.9, 0.8, 0.3, 0.9], [0.2, 0.9], [0.7, 0.7, 0.7], []]
+    assert static_lengths(conf, 0.5) == [2, 0, 3, 0]
+    assert static_lengths(conf, 0.0) == [4, 2, 3, 0]
+
+
+def test_a_flat_table_verifies_whole_blocks() -> None:
+    survival = [survival_of([0.5] * 4), survival_of([0.1] * 4)]
+    assert choose_drafts(survival, lambda t: 1.0, 2) == [4, 4]
+
+
+def test_a_steep_table_chooses_plain_for_everyone() -> None:
+    survival = [survival_of([0.9] * 4)] * 3
+    # Each token costs as much as the whole plain step.
+    assert choose_drafts(survival, lambda t: float(t), 3) == [0, 0, 0]
+    # The drafter's cost alone can make it plain too.
+    assert choose_drafts(survival, lambda t: 1.0, 3, lambda n: 10.0) == [0, 0, 0]
+
+
+def test_a_mixed_batch_gives_drafts_to_the_confident_first() -> None:
+    survival = [survival_of([0.95] * 4), survival_of([0.2] * 4), survival_of([0.6] * 4)]
+
+    # A plain step of 3 tokens costs 1; every token past 5 costs 0.3.
+    def step(t: int) -> float:
+        return 1.0 + 0.3 * max(0, t - 5)
+
+    lengths = choose_drafts(survival, step, 3)
+    assert lengths[0] >= lengths[2] >= lengths[1]
+    assert lengths[0] > 0 and lengths[1] == 0
+
+
+def goodput(survival, lengths, step, fixed, draft) -> float:
+    expected = len(survival) + sum(sum(s[:k]) for s, k in zip(survival, lengths))
+    seconds = step(fixed + sum(lengths))
+    if draft is not None and any(lengths):
+        seconds += draft(sum(k > 0 for k in lengths))
+    return expected / seconds
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_choice_is_the_best_of_every_prefix_combination(seed) -> None:
+    """Brute force over every (k_1..k_R): none beats the chosen lengths'
+    expected tokens per second, on a staircase (bucketed) cost."""
+    import random
+
+    rng = random.Random(seed)
+    survival = [survival_of([rng.random() for _ in range(3)]) for _ in range(3)]
+    stair = [rng.uniform(0.5, 1.5) for _ in range(4)]
+
+    def step(t: int) -> float:  # constant within buckets of 4 tokens, rising
+        return sum(stair[: 1 + t // 4])
+
+    def draft(n: int) -> float:
+        return 0.2 * n
+
+    chosen = choose_drafts(survival, step, 3, draft)
+    best = max(
+        goodput(survival, ks, step, 3, draft) for ks in itertools.product(range(4), repeat=3)
+    )
+    assert goodput(survival, chosen, step, 3, draft) == pytest.approx(best)
