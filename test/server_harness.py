@@ -28,7 +28,11 @@ class Server:
     ) -> None:
         self.proc, self.base, self.log_path = proc, base, log_path
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=base, timeout=60, headers=headers)
+        # An idle connection is dropped here before the server drops it
+        # (uvicorn: after 5 s; httpx's default is also 5 s, and a request sent
+        # as the server closed its connection met "Server disconnected").
+        limits = httpx.Limits(keepalive_expiry=2.0)
+        self.http = httpx.Client(base_url=base, timeout=60, headers=headers, limits=limits)
 
     def log(self) -> str:
         with open(self.log_path) as f:
