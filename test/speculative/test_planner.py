@@ -465,16 +465,21 @@ def test_sampling_resumed_after_plain_steps_scores_as_plain(drafters) -> None:
         plain.shutdown()
 
 
-def test_a_plain_step_runs_no_drafter_and_no_extra_copy(drafters, plain_outputs) -> None:
-    """A table on which drafts never pay: every step plain, the drafter never
-    runs, and each step reads the device back once, as a plain engine does."""
+@pytest.mark.parametrize("why", ["costs", "net"])
+def test_a_plain_step_runs_no_drafter_and_no_extra_copy(drafters, plain_outputs, why) -> None:
+    """Every step plain, by the cost model (a table on which drafts never
+    pay) or by the safety net (whatever the table): the drafter never runs,
+    and each step reads the device back once, as a plain engine does."""
     eng = engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafters["DSPARK"])
     ref = engine()
     try:
-        # Every token costs as much as a whole step.
-        eng.core.spec.planner = SpecPlanner(
-            eng.proposer.max_drafts, CostTable([1, 64], [1, 8], [[1.0, 8.0], [64.0, 512.0]])
-        )
+        if why == "costs":  # every token costs as much as a whole step
+            table = CostTable([1, 64], [1, 8], [[1.0, 8.0], [64.0, 512.0]])
+        else:  # drafts look free, but the net holds every bucket plain
+            table = CostTable([1, 64], [1, 8], [[1.0, 1.0], [1.0, 1.0]])
+        planner = eng.core.spec.planner = SpecPlanner(eng.proposer.max_drafts, table)
+        if why == "net":
+            planner.net.regime = lambda requests: "plain"
         calls = {"propose": 0}
         inner = eng.proposer.propose
 
@@ -507,6 +512,8 @@ def test_a_plain_step_runs_no_drafter_and_no_extra_copy(drafters, plain_outputs)
         stats = eng.stats()
         assert stats["spec_steps"] == stats["spec_plain_steps"] > 0
         assert stats["spec_verify_rounds"] == 0
+        forced = stats["spec_forced_plain_steps"]
+        assert forced == (stats["spec_steps"] if why == "net" else 0)
     finally:
         eng.shutdown()
         ref.shutdown()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -443,7 +443,7 @@ class EngineCore:
             finish_reason=req.finish_reason,
             prompt_tokens=req.prompt_len,
             completion_tokens=len(req.output_ids),
-            spec=replace(req.spec) if self.spec is not None else None,
+            spec=req.spec.snapshot() if self.spec is not None else None,
         )
         self.stats.generated_tokens += len(out.token_ids)
         cur.tokens = len(req.output_ids)

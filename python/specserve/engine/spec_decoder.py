@@ -78,12 +78,17 @@ class SpecDecoder:
         ]
         if not todo:
             return
-        limits = [self.scheduler.max_drafts(r) for r in todo]
-        pending = [self.proposer.pending_rows(r) for r in todo]
         planner = self.planner
         requests, prefill = self.scheduler.next_load()
-        chosen = limits
         pinned = [r.sampling.seed is not None and not r.sampling.greedy for r in todo]
+        if planner is not None and not any(pinned) and planner.forced_plain(requests):
+            # The safety net's plain step: nothing else to decide.
+            for req in todo:
+                req.accept_rates = planner.drift(req.accept_rates)
+            return
+        limits = [self.scheduler.max_drafts(r) for r in todo]
+        pending = [self.proposer.pending_rows(r) for r in todo]
+        chosen = limits
         if planner is not None:
             free = [k for k, p in enumerate(pinned) if not p]
             extra = prefill + sum(limits[k] + 1 for k, p in enumerate(pinned) if p)

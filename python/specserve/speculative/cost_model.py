@@ -109,11 +109,14 @@ class CostModel:
         predicted = raw * self._factor(cell)
         if learn:
             x = math.log(max(seconds, 1e-12) / max(raw, 1e-12))
-            if cell not in self.correction:
-                self.correction[cell] = Ewma(value=self._correction_of(cell).value)
-            row = self.row_correction.setdefault(cell[0], Ewma(value=self.table_correction.value))
-            for fix in (self.correction[cell], row, self.table_correction):
-                fix.add_log(x)
+            fix = self.correction.get(cell)
+            if fix is None:
+                fix = self.correction[cell] = Ewma(value=self._correction_of(cell).value)
+            row = self.row_correction.get(cell[0])
+            if row is None:
+                row = self.row_correction[cell[0]] = Ewma(value=self.table_correction.value)
+            for each in (fix, row, self.table_correction):
+                each.add_log(x)
         return predicted
 
     def _factor(self, cell: tuple[int, int]) -> float:

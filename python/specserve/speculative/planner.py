@@ -259,8 +259,7 @@ class SpecPlanner:
         priced per round."""
         if not self.gate:
             return list(limits)
-        if self.regime(requests) == PLAIN:
-            self.stats.forced_plain += 1
+        if self.forced_plain(requests):
             return [0] * len(owns)
         survival = survivals([self.estimates(o) for o in owns], limits)
         fixed = len(owns) + extra
@@ -299,6 +298,14 @@ class SpecPlanner:
     def regime(self, requests: int) -> str:
         """Who decides the next step (at ``requests`` running): the safety net's."""
         return self.net.regime(requests)
+
+    def forced_plain(self, requests: int) -> bool:
+        """Whether the safety net makes the next step plain (counted as such):
+        nobody drafts, whatever the estimates."""
+        if not self.gate or self.regime(requests) != PLAIN:
+            return False
+        self.stats.forced_plain += 1
+        return True
 
     # ---- measurements ----------------------------------------------------------------
 
