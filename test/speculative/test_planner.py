@@ -182,39 +182,55 @@ def waits(spoke: list[bool], explored: bool) -> list[int]:
     return out
 
 
-# The loser's waits as it gets measured: doubling from EXPLORE_MIN to
+# The loser's waits as it gets measured: fourfold from EXPLORE_MIN to
 # EXPLORE_MAX (a gap of 100% alone would wait the most at once).
-DOUBLING = [EXPLORE_MIN << k for k in range((EXPLORE_MAX // EXPLORE_MIN).bit_length())]
+GROWING = [EXPLORE_MIN << k for k in range(0, (EXPLORE_MAX // EXPLORE_MIN).bit_length(), 2)]
 
 
 def test_the_net_turns_a_losing_bucket_plain_and_explores_it_by_its_loss() -> None:
     """The model (a flat table: drafts look free) speculates; measured,
     speculation delivers half of plain's goodput. After one block of each,
     the bucket is plain, and the model's blocks grow rarer as they keep
-    losing: the wait doubles per block measured, up to EXPLORE_MAX."""
+    losing: the wait grows fourfold per block measured, up to EXPLORE_MAX."""
     planner = flat_planner()
     # Whole blocks: the first plain one is a probe.
-    steps = BLOCK_STEPS * (1 + sum(DOUBLING) + len(DOUBLING) + EXPLORE_MAX + 1) + PROBE_STEPS
+    steps = BLOCK_STEPS * (1 + sum(GROWING) + len(GROWING) + EXPLORE_MAX + 1) + PROBE_STEPS
     spoke = run_blocks(planner, steps, spec=(4, 2.0), plain=(4, 1.0))
     assert spoke[:2] == [True, False]  # each regime measured once (plain: a probe)
-    assert waits(spoke[2:], True) == [*DOUBLING, EXPLORE_MAX]
+    assert waits(spoke[2:], True) == [*GROWING, EXPLORE_MAX]
     assert planner.stats.forced_plain == steps - BLOCK_STEPS * spoke.count(True)
     # A heavier load starts plain too (``_neighbours_lead``).
     assert run_steps(planner, 1, spec=(4, 2.0), plain=(4, 1.0), requests=16) == [False]
 
 
 def test_a_winning_model_keeps_its_bucket_and_plain_is_probed_rarely() -> None:
-    """Plain, losing by half, is measured in probes of PROBE_STEPS steps;
-    each costs a quarter of a block's loss, so they come four times as
-    often as a losing model's blocks would (past the doubling)."""
+    """Plain, losing by half, is measured in probes of PROBE_STEPS steps,
+    each step half a model step's time: a probe costs an eighth of a model
+    block's time at the gap, so probes come eight times as often as a
+    losing model's blocks of its own length would (past the growth)."""
     planner = flat_planner()
-    steps = BLOCK_STEPS * (2 + sum(DOUBLING) + len(DOUBLING))
+    steps = BLOCK_STEPS * (2 + sum(GROWING) + len(GROWING))
     spoke = run_blocks(planner, steps, spec=(16, 2.0), plain=(4, 1.0))
     assert spoke[:2] == [True, False]
-    by_loss = round(1.0 * PROBE_STEPS / BLOCK_STEPS / EXPLORE_LOSS)
-    expected = [min(w, by_loss) for w in DOUBLING]
+    by_loss = round(1.0 * (PROBE_STEPS * 1.0) / (BLOCK_STEPS * 2.0) / EXPLORE_LOSS)
+    expected = [min(w, by_loss) for w in GROWING]
     assert waits(spoke[2:], False)[: len(expected)] == expected
     assert planner.stats.forced_plain == PROBE_STEPS * spoke.count(False)
+
+
+def test_a_losing_models_wait_counts_its_blocks_time() -> None:
+    """At a high load a model's step takes several plain ones' time: a
+    losing model's block costs that many plain blocks of loss, so it waits
+    that many times longer (by steps alone, exploring it took a quarter of
+    a 32-client wave's time)."""
+    planner = flat_planner()
+    # 3 s a model step for 10% less goodput than plain's 1 s steps.
+    spoke = run_blocks(planner, BLOCK_STEPS * 400, spec=(27.0, 3.0), plain=(10.0, 1.0))
+    assert spoke[:2] == [True, False]
+    gap = 10.0 / 9.0 - 1
+    by_loss = round(gap * 3.0 / EXPLORE_LOSS)  # 33 plain blocks (by steps alone: 11)
+    expected = [min(w, by_loss) for w in GROWING]
+    assert waits(spoke[2:], True)[: len(expected)] == expected
 
 
 def test_one_slow_block_does_not_condemn_a_regime_for_long() -> None:

@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 # NET_RECENT ratios decides. The model keeps a bucket only while it leads
 # by NET_MARGIN (a tie goes plain: speculation must not cost throughput).
 # The loser runs one block every `wait` blocks, `wait` set so that
-# exploring costs about EXPLORE_LOSS of the winner's goodput (a loser that
-# loses by 20% waits 20 blocks; a plain probe, a quarter of a block, 5),
-# within [EXPLORE_MIN, EXPLORE_MAX] and doubling at most per exploration.
+# exploring costs about EXPLORE_LOSS of the winner's goodput: a loser that
+# loses by 20% waits 20 blocks of the winner's as long as its own (a plain
+# probe, a quarter of a block, 5; a model block three times as long as a
+# plain one, at a high load, 60), within [EXPLORE_MIN, EXPLORE_MAX] and
+# growing at most fourfold per exploration.
 # The model runs the first block, plain the second, unless a neighbouring
 # bucket's verdict holds here (``SafetyNet._neighbours_lead``).
 BLOCK_STEPS = 16
@@ -74,12 +76,15 @@ class BucketNet:
     last: tuple[str, float] | None = None  # the bucket's last block: regime, goodput
     countdown: int | None = None  # the winner's blocks before the loser's next one
     plain: list[tuple[float, int]] = field(default_factory=list)  # latest: goodput, steps
+    # Each regime's seconds per measured step, in its latest block.
+    step_seconds: dict[str, float] = field(default_factory=dict)
 
-    def add(self, regime: str, goodput: float, steps: int) -> None:
-        """A block's goodput over its ``steps``. Plain's counts as the median of
-        its latest blocks within a whole block's steps: a probe is a few
-        steps, each as noisy as a step on a busy machine, and one stalled
-        probe is outvoted."""
+    def add(self, regime: str, goodput: float, steps: int, seconds: float) -> None:
+        """A block's goodput over its ``steps`` (``seconds`` in all). Plain's
+        counts as the median of its latest blocks within a whole block's
+        steps: a probe is a few steps, each as noisy as a step on a busy
+        machine, and one stalled probe is outvoted."""
+        self.step_seconds[regime] = seconds / max(steps, 1)
         if regime == PLAIN:
             self.plain = [*self.plain[1 - BLOCK_STEPS // PROBE_STEPS :], (goodput, steps)]
             recent, total = [], 0
@@ -114,17 +119,29 @@ class BucketNet:
         if self.countdown is None:  # armed from the gap as measured now
             lead = self.lead
             gap = max(lead, 1 / max(lead, 1e-12)) - 1
-            # A long wait needs several pairs: it at most doubles per
-            # exploration (one slow block must not condemn a regime for long).
-            known = EXPLORE_MIN << (self.pairs // 2)
-            share = self.block_steps(MODEL if leader == PLAIN else PLAIN) / BLOCK_STEPS
-            wait = min(round(gap * share / EXPLORE_LOSS), known, EXPLORE_MAX)
+            # A long wait needs several pairs: it grows at most fourfold per
+            # exploration (one slow block must not condemn a regime for long;
+            # the median of a few pairs outvotes it). At a high load, twofold
+            # explored a losing model for a fifth of a 32-client wave's time.
+            known = EXPLORE_MIN << 2 * (self.pairs // 2)
+            wait = min(round(gap * self._share(leader) / EXPLORE_LOSS), known, EXPLORE_MAX)
             self.countdown = max(wait, EXPLORE_MIN)
         if self.countdown > 0:
             self.countdown -= 1
             return leader
         self.countdown = None
         return PLAIN if leader == MODEL else MODEL
+
+    def _share(self, leader: str) -> float:
+        """The loser's block's time over the leader's: what one exploration
+        costs in the leader's blocks (at a high load a model's step takes
+        several plain ones' time; by steps alone, exploring it cost a
+        32-client wave about a quarter of its time)."""
+        loser = MODEL if leader == PLAIN else PLAIN
+        share = self.block_steps(loser) / BLOCK_STEPS
+        if loser in self.step_seconds and self.step_seconds.get(leader):
+            share *= self.step_seconds[loser] / self.step_seconds[leader]
+        return share
 
     def block_steps(self, regime: str) -> int:
         """The steps of a block of ``regime``: a probe for plain beside a model
@@ -165,7 +182,7 @@ class SafetyNet:
         if block is None or block.steps >= block.length:
             if block is not None and block.measured >= PROBE_STEPS:
                 goodput = block.tokens / max(block.seconds, 1e-12)
-                block.net.add(block.regime, goodput, block.measured)
+                block.net.add(block.regime, goodput, block.measured, block.seconds)
             b = load_bucket(requests)
             net = self.nets.get(b)
             if net is None:
