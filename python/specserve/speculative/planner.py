@@ -18,11 +18,12 @@ CUDA-graph buckets. B = 0 is a true plain step: no drafter forward.
 
 The costs are ``CostModel``'s: tables profiled at start-up on the forwards
 real steps run, corrected online by what steps measure; the choice is
-``draft_choice.choose_drafts``'s. A safety net measures what the engine delivers under the model's
-decisions and under plain steps alone, in blocks of steps per load bucket
-(short probes for plain while the model leads), and gives a bucket to the
-model only while it measures more goodput there; the loser runs a block
-now and then, less often the more it loses by.
+``draft_choice.choose_drafts``'s. A safety net measures what the engine
+delivers under the model's decisions and under plain steps alone, in
+blocks of steps per load bucket (short probes for plain while the model
+leads), and gives a bucket to the model only while it measures more
+goodput there; the loser runs a block now and then, less often the more
+it loses by.
 """
 
 from __future__ import annotations

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 # by NET_MARGIN (a tie goes plain: speculation must not cost throughput).
 # The loser runs one block every `wait` blocks, `wait` set so that
 # exploring costs about EXPLORE_LOSS of the winner's goodput: a loser that
-# loses by 20% waits 20 blocks of the winner's as long as its own (a plain
-# probe, a quarter of a block, 5; a model block three times as long as a
-# plain one, at a high load, 60), within [EXPLORE_MIN, EXPLORE_MAX] and
-# growing at most fourfold per exploration.
+# loses by 20% waits 20 of the winner's blocks if its block takes as long
+# as one of them, 5 if a quarter of the time (a plain probe: a quarter of
+# the steps), 60 if three times (a model block at a high load), within
+# [EXPLORE_MIN, EXPLORE_MAX] and growing at most fourfold per exploration.
 # The model runs the first block, plain the second, unless a neighbouring
 # bucket's verdict holds here (``SafetyNet._neighbours_lead``).
 BLOCK_STEPS = 16
