@@ -18,6 +18,7 @@ from specserve.speculative.safety_net import (
     EXPLORE_MAX,
     EXPLORE_MIN,
     PROBE_STEPS,
+    SETTLE_STEPS,
     SafetyNet,
     load_bucket,
 )
@@ -156,17 +157,37 @@ def run_steps(planner: SpecPlanner, steps: int, spec: tuple, plain: tuple, reque
 
 
 def run_blocks(
-    planner: SpecPlanner, steps: int, spec: tuple, plain: tuple, requests: int = 4
+    planner: SpecPlanner,
+    steps: int,
+    spec: tuple,
+    plain: tuple,
+    requests: int = 4,
+    lengths: list[int] | None = None,
 ) -> list[bool]:
     """``run_steps``, as the blocks begun in them (a block is one regime's:
-    whether it speculated)."""
+    whether it speculated); ``lengths`` gets each block's steps run."""
     out, seen = [], planner.net.block
     for _ in range(steps):
         [drafted] = run_steps(planner, 1, spec, plain, requests)
         if planner.net.block is not seen:
             seen = planner.net.block
             out.append(drafted)
+            if lengths is not None:
+                lengths.append(0)
+        if lengths is not None:
+            lengths[-1] += 1
         assert not out or drafted == out[-1], "a block mixes regimes"
+    return out
+
+
+def expected_lengths(spoke: list[bool], plain_steps: list[int]) -> list[int]:
+    """Each block's steps: a model's BLOCK_STEPS, a plain one's from
+    ``plain_steps`` in turn, each with SETTLE_STEPS more after a switch."""
+    plain = iter(plain_steps)
+    out = []
+    for k, s in enumerate(spoke):
+        n = BLOCK_STEPS if s else next(plain)
+        out.append(n + (SETTLE_STEPS if k and spoke[k - 1] != s else 0))
     return out
 
 
@@ -193,12 +214,15 @@ def test_the_net_turns_a_losing_bucket_plain_and_explores_it_by_its_loss() -> No
     the bucket is plain, and the model's blocks grow rarer as they keep
     losing: the wait grows fourfold per block measured, up to EXPLORE_MAX."""
     planner = flat_planner()
-    # Whole blocks: the first plain one is a probe.
-    steps = BLOCK_STEPS * (1 + sum(GROWING) + len(GROWING) + EXPLORE_MAX + 1) + PROBE_STEPS
-    spoke = run_blocks(planner, steps, spec=(4, 2.0), plain=(4, 1.0))
+    steps = BLOCK_STEPS * (1 + sum(GROWING) + 2 * len(GROWING) + EXPLORE_MAX + 1) + PROBE_STEPS
+    lengths: list[int] = []
+    spoke = run_blocks(planner, steps, spec=(4, 2.0), plain=(4, 1.0), lengths=lengths)
     assert spoke[:2] == [True, False]  # each regime measured once (plain: a probe)
-    assert waits(spoke[2:], True) == [*GROWING, EXPLORE_MAX]
-    assert planner.stats.forced_plain == steps - BLOCK_STEPS * spoke.count(True)
+    assert waits(spoke[2:], True)[: len(GROWING) + 1] == [*GROWING, EXPLORE_MAX]
+    # Whole blocks but the first plain one, a probe; the last block runs on.
+    whole = expected_lengths(spoke, [PROBE_STEPS] + [BLOCK_STEPS] * len(spoke))
+    assert lengths[:-1] == whole[:-1]
+    assert planner.stats.forced_plain == sum(n for n, s in zip(lengths, spoke) if not s)
     # A heavier load starts plain too (``_neighbours_lead``).
     assert run_steps(planner, 1, spec=(4, 2.0), plain=(4, 1.0), requests=16) == [False]
 
@@ -210,12 +234,15 @@ def test_a_winning_model_keeps_its_bucket_and_plain_is_probed_rarely() -> None:
     losing model's blocks of its own length would (past the growth)."""
     planner = flat_planner()
     steps = BLOCK_STEPS * (2 + sum(GROWING) + len(GROWING))
-    spoke = run_blocks(planner, steps, spec=(16, 2.0), plain=(4, 1.0))
+    lengths: list[int] = []
+    spoke = run_blocks(planner, steps, spec=(16, 2.0), plain=(4, 1.0), lengths=lengths)
     assert spoke[:2] == [True, False]
     by_loss = round(1.0 * (PROBE_STEPS * 1.0) / (BLOCK_STEPS * 2.0) / EXPLORE_LOSS)
     expected = [min(w, by_loss) for w in GROWING]
     assert waits(spoke[2:], False)[: len(expected)] == expected
-    assert planner.stats.forced_plain == PROBE_STEPS * spoke.count(False)
+    probes = expected_lengths(spoke, [PROBE_STEPS] * len(spoke))
+    assert lengths[:-1] == probes[:-1]
+    assert planner.stats.forced_plain == sum(n for n, s in zip(lengths, spoke) if not s)
 
 
 def test_a_losing_models_wait_counts_its_blocks_time() -> None:
@@ -263,24 +290,27 @@ def test_a_new_load_bucket_starts_from_its_neighbours_verdict() -> None:
     the model as a loser; below one the model won, it starts with the model
     and probes plain later. Without such a neighbour, the model first."""
     planner = flat_planner()
-    run_blocks(planner, BLOCK_STEPS + PROBE_STEPS, spec=(4, 2.0), plain=(4, 1.0))  # plain won
+    # Plain won (the probe settles a step after the model's block).
+    run_blocks(planner, BLOCK_STEPS + PROBE_STEPS + SETTLE_STEPS, spec=(4, 2.0), plain=(4, 1.0))
     heavier = run_blocks(planner, BLOCK_STEPS * 5, spec=(16, 2.0), plain=(16, 1.0), requests=16)
     assert heavier == [False] * EXPLORE_MIN + [True]
-    assert planner.stats.forced_plain == PROBE_STEPS + BLOCK_STEPS * EXPLORE_MIN
+    forced = PROBE_STEPS + SETTLE_STEPS + BLOCK_STEPS * EXPLORE_MIN
+    assert planner.stats.forced_plain == forced
     lighter = run_blocks(planner, BLOCK_STEPS * 2, spec=(1, 2.0), plain=(1, 1.0), requests=1)
     assert lighter[:2] == [True, False]  # plain won above: no verdict for a lighter load
 
     planner = flat_planner()
-    run_blocks(planner, BLOCK_STEPS + PROBE_STEPS, spec=(64, 2.0), plain=(16, 1.0), requests=16)
+    steps = BLOCK_STEPS + PROBE_STEPS + SETTLE_STEPS
+    run_blocks(planner, steps, spec=(64, 2.0), plain=(16, 1.0), requests=16)
     lighter = run_blocks(planner, BLOCK_STEPS * 5, spec=(16, 2.0), plain=(4, 1.0))
     assert planner.net.nets[load_bucket(16)].winner() == "model"
     assert lighter[: EXPLORE_MIN + 1] == [True] * EXPLORE_MIN + [False]  # then a probe
 
 
 def test_a_models_block_measures_the_steps_it_drafts_for() -> None:
-    """A model's block measures its steps that drafted, the first after
-    plain steps (a drafter's catch-up) and those beside prefill chunks
-    included; the steps the model makes plain itself are plain steps, and
+    """A model's block measures its steps that drafted, those beside
+    prefill chunks included; the steps the model makes plain itself are
+    plain steps, and
     a block of them says nothing: the model decides again."""
     planner = flat_planner()
     assert planner.regime(4) == "model"
@@ -299,6 +329,25 @@ def test_a_models_block_measures_the_steps_it_drafts_for() -> None:
         assert planner.regime(4) == "model"
         planner.observe_step(4, 20, 4, 16, 12, 1.0, 0.0)
     assert planner.regime(4) == "plain"  # a probe beside it
+
+
+def test_the_steps_a_switch_costs_are_measured_by_neither_regime() -> None:
+    """The first plain step after drafted ones runs slow (8-25% at 8
+    requests), and the model's first after plain ones pays the drafter's
+    catch-up: a block that follows the other regime's measures from its
+    step after SETTLE_STEPS, so the ratio is the two steady states'."""
+    net = SafetyNet()
+    for _ in range(BLOCK_STEPS):
+        assert net.regime(4) == "model"
+        net.observe(8.0, 1.0, drafted=True)
+    for seconds in [5.0] * SETTLE_STEPS + [1.0] * PROBE_STEPS:
+        assert net.regime(4) == "plain"
+        net.observe(4.0, seconds, drafted=False)
+    for seconds in [5.0] * SETTLE_STEPS + [1.0] * BLOCK_STEPS:
+        assert net.regime(4) == "model"  # it leads
+        net.observe(8.0, seconds, drafted=True)
+    net.regime(4)
+    assert net.nets[load_bucket(4)].ratios == [pytest.approx(2.0), pytest.approx(2.0)]
 
 
 def test_the_net_credits_a_round_its_prediction_scaled_by_what_rounds_committed() -> None:

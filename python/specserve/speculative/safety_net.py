@@ -34,14 +34,20 @@ from dataclasses import dataclass, field
 # [EXPLORE_MIN, EXPLORE_MAX] and growing at most fourfold per exploration.
 # The model runs the first block, plain the second, unless a neighbouring
 # bucket's verdict holds here (``SafetyNet._neighbours_lead``).
+# A block that follows one of the other regime first runs SETTLE_STEPS
+# steps it does not measure: the switch's cost belongs to neither regime's
+# steady state. (At 8 requests the first plain step after drafted steps
+# ran 8-25% over the plain steps after it, three runs offline: a 4-step
+# probe measured plain 2-6% low, in the model's favour. The model's first
+# step after plain ones pays the drafter's catch-up of them.)
 BLOCK_STEPS = 16
+SETTLE_STEPS = 1
 # Plain measured beside a model that leads (or is not judged yet) runs
 # this many steps, a probe: a plain step's goodput depends on neither the
-# text nor a drafter's state, so a few steps measure it, and at low load
-# each costs what speculation gains (at one client, whole plain blocks were
-# 3 of a wave's first 16 blocks: about 10% of a 1.4x lead). The model's
-# blocks stay whole: the first round after plain steps catches the drafter
-# up.
+# text nor a drafter's state (once settled), so a few steps measure it,
+# and at low load each costs what speculation gains (at one client, whole
+# plain blocks were 3 of a wave's first 16 blocks: about 10% of a 1.4x
+# lead). The model's blocks stay whole: its goodput goes with the text.
 PROBE_STEPS = 4
 NET_RECENT = 5
 NET_MARGIN = 0.05
@@ -162,6 +168,7 @@ class Block:
     net: BucketNet
     regime: str
     length: int  # its steps in all
+    settle: int = 0  # its first steps, not measured (SETTLE_STEPS)
     steps: int = 0
     measured: int = 0  # of which measured (see BLOCK_STEPS)
     tokens: float = 0.0  # of the measured steps, rounds at their credit
@@ -188,7 +195,8 @@ class SafetyNet:
             if net is None:
                 net = self.nets[b] = BucketNet(prior=self._neighbours_lead(b))
             regime = net.next_regime()
-            block = self.block = Block(net, regime, net.block_steps(regime))
+            settle = SETTLE_STEPS if block is not None and block.regime != regime else 0
+            block = self.block = Block(net, regime, net.block_steps(regime) + settle, settle)
         return block.regime
 
     def _neighbours_lead(self, b: int) -> float | None:
@@ -207,14 +215,14 @@ class SafetyNet:
     def observe(self, tokens: float, seconds: float, drafted: bool) -> None:
         """A decoding step of the block in progress: its tokens (each verify
         round at its credit) and seconds (its drafting included);
-        ``drafted``: whether the drafter ran for it. The first round after
-        plain steps (which pays the drafter's catch-up) and steps with
-        prefill chunks count too: the regime's cost is all of it."""
+        ``drafted``: whether the drafter ran for it. Steps with prefill
+        chunks count too: the regime's cost is all of it, but for the switch
+        (a block's settling steps)."""
         block = self.block
         if block is None:
             return
         block.steps += 1
-        if drafted or block.regime == PLAIN:
+        if block.steps > block.settle and (drafted or block.regime == PLAIN):
             block.measured += 1
             block.tokens += tokens
             block.seconds += seconds
