@@ -331,6 +331,22 @@ def test_a_models_block_measures_the_steps_it_drafts_for() -> None:
     assert planner.regime(4) == "plain"  # a probe beside it
 
 
+def test_the_net_measures_a_steps_decoding_not_its_prefill_chunks() -> None:
+    """Prefill is the arrivals' work, not a regime's: of a step with a
+    chunk, the net takes the decoding's share of the seconds, by the cost
+    model (here linear in tokens), and the decoding requests' tokens."""
+    planner = SpecPlanner(4, CostTable([1, 64], [1, 8], [[0.001, 0.008], [0.064, 0.512]]))
+    assert planner.regime(5) == "model"
+    # 4 requests verifying a draft each beside a 32-token chunk, 10 s.
+    planner.observe_step(5, 40, 4, 4, 8, 10.0, 0.5, decode_tokens=8)
+    share = planner.cost.step_seconds(4, 8) / planner.cost.step_seconds(5, 40)
+    assert 0.1 < share < 0.3
+    block = planner.net.block
+    assert block.tokens == 8 and block.seconds == pytest.approx(10.0 * share + 0.5)
+    planner.observe_step(4, 8, 4, 4, 8, 1.0, 0.5, decode_tokens=8)  # decoding alone: all of it
+    assert block.seconds == pytest.approx(10.0 * share + 2.0)
+
+
 def test_the_steps_a_switch_costs_are_measured_by_neither_regime() -> None:
     """The first plain step after drafted ones runs slow (8-25% at 8
     requests), and the model's first after plain ones pays the drafter's

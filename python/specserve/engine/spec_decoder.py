@@ -49,7 +49,7 @@ class SpecDecoder:
         self._rounds: dict[str, tuple[list[float] | None, float]] = {}
         self._draft_seconds = 0.0  # drafting for the coming step
         self._drafted = False  # whether the drafter ran for the coming step
-        self._generated = 0  # tokens the step in progress committed (every request)
+        self._generated = 0  # tokens the step in progress committed to decoding requests
 
     def propose(self, reqs: Sequence[Req]) -> None:
         """Drafts for the next step of each of ``reqs`` that decodes next (its
@@ -142,15 +142,17 @@ class SpecDecoder:
         generated, self._generated = self._generated, 0
         if self.planner is None:
             return
+        fed = [len(e.token_ids) for e in batch.entries]
         self.planner.observe_step(
             requests=len(batch.steps),
-            tokens=sum(len(e.token_ids) for e in batch.entries),
+            tokens=sum(fed),
             decoding=sum(s.decoding for s in batch.steps),
             drafts=sum(len(s.drafts) for s in batch.steps if s.verify),
             generated=generated,
             seconds=seconds,
             draft_seconds=self._draft_seconds,
             drafted=self._drafted,
+            decode_tokens=sum(n for n, s in zip(fed, batch.steps) if s.decoding),
         )
 
     def release(self, req: Req) -> None:
@@ -197,7 +199,8 @@ class SpecDecoder:
         ``features``: the captured features of the entry's tokens; ``committed``:
         the tokens this step committed to the request."""
         req, fed = step.req, len(entry.token_ids)
-        self._generated += committed
+        if step.decoding:  # (a prefill chunk's first token is the arrivals' work)
+            self._generated += committed
         if step.verify:
             req.spec.add(committed)
             self.stats.add(committed, len(step.drafts))
