@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 # The safety net measures what the engine delivers: per load bucket, blocks
 # of BLOCK_STEPS steps in a row either decided by the model or all plain,
-# each block's goodput every token its measured steps generated (prefill
-# chunks beside decoding included) over their seconds (drafting included).
+# each block's goodput the tokens its measured steps generated for
+# decoding requests over their seconds (drafting included; of a step with
+# prefill chunks, the decoding's share: ``SpecPlanner.observe_step``).
 # A step is measured if it decoded, and in a model's block, if the model
 # drafted for it: the steps the model itself makes plain are plain steps,
 # and hard text, where it makes most of them, must not make speculation
@@ -215,9 +216,9 @@ class SafetyNet:
     def observe(self, tokens: float, seconds: float, drafted: bool) -> None:
         """A decoding step of the block in progress: its tokens (each verify
         round at its credit) and seconds (its drafting included);
-        ``drafted``: whether the drafter ran for it. Steps with prefill
-        chunks count too: the regime's cost is all of it, but for the switch
-        (a block's settling steps)."""
+        ``drafted``: whether the drafter ran for it. The regime's cost is all
+        of it but the switch's (a block's settling steps) and the prefill
+        chunks' beside (the planner passes the decoding's share)."""
         block = self.block
         if block is None:
             return
