@@ -347,25 +347,6 @@ def test_the_net_measures_a_steps_decoding_not_its_prefill_chunks() -> None:
     assert block.seconds == pytest.approx(10.0 * share + 2.0)
 
 
-def test_the_steps_a_switch_costs_are_measured_by_neither_regime() -> None:
-    """The first plain step after drafted ones runs slow (8-25% at 8
-    requests), and the model's first after plain ones pays the drafter's
-    catch-up: a block that follows the other regime's measures from its
-    step after SETTLE_STEPS, so the ratio is the two steady states'."""
-    net = SafetyNet()
-    for _ in range(BLOCK_STEPS):
-        assert net.regime(4) == "model"
-        net.observe(8.0, 1.0, drafted=True)
-    for seconds in [5.0] * SETTLE_STEPS + [1.0] * PROBE_STEPS:
-        assert net.regime(4) == "plain"
-        net.observe(4.0, seconds, drafted=False)
-    for seconds in [5.0] * SETTLE_STEPS + [1.0] * BLOCK_STEPS:
-        assert net.regime(4) == "model"  # it leads
-        net.observe(8.0, seconds, drafted=True)
-    net.regime(4)
-    assert net.nets[load_bucket(4)].ratios == [pytest.approx(2.0), pytest.approx(2.0)]
-
-
 def test_the_net_credits_a_round_its_prediction_scaled_by_what_rounds_committed() -> None:
     """A block's text must not decide a regime by chance: a round counts in
     its block at the tokens predicted for it (from the confidences where
