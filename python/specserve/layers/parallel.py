@@ -149,13 +149,24 @@ class VocabRows:
         self.weight.data[self.vocab_real :].zero_()
 
 
+def embedding_weight(rows: int, dim: int) -> torch.Tensor:
+    """An embedding table ``[rows, dim]`` initialised as ``nn.Embedding``
+    does, except on the meta device (a model built before its checkpoint
+    loads), where there is nothing to initialise: meta's ``normal_`` goes
+    through torch's reference ops, whose first call imports ``torch._dynamo``,
+    2 s of every server's and rank's start-up."""
+    weight = torch.empty(rows, dim)
+    return weight if weight.is_meta else nn.init.normal_(weight)
+
+
 class VocabParallelEmbedding(VocabRows, nn.Embedding):
     """An embedding whose rows (token ids) are split over the ranks: each
     looks up the ids it holds (zero for the others), the all-reduce adds the
     rows up."""
 
     def __init__(self, vocab_size: int, dim: int, group: RankGroup) -> None:
-        nn.Embedding.__init__(self, self.split_vocab(vocab_size, group), dim)
+        rows = self.split_vocab(vocab_size, group)
+        nn.Embedding.__init__(self, rows, dim, _weight=embedding_weight(rows, dim))
         self.group = group
 
     def post_load(self) -> None:

@@ -134,8 +134,10 @@ def load_model(
 
 def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
     """A model built on ``meta``, given uninitialised storage of ``dtype`` on
-    ``device`` (the cast happens on meta, where it costs nothing)."""
-    return model.to(dtype).to_empty(device=device)
+    ``device`` (the cast happens on meta, where it costs nothing). Fresh
+    tensors by shape rather than ``to_empty``: its ``empty_like`` of a meta
+    tensor goes through torch's reference ops, 0.5 s of every start-up."""
+    return model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 def keep_fp32_(model: nn.Module) -> nn.Module:

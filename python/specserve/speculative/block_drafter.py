@@ -13,7 +13,7 @@ from torch import nn
 from specserve.distributed import SINGLE, RankGroup
 from specserve.kernels.chain_verify import row_argmax
 from specserve.layers.linear import LogitsHead, k_major_
-from specserve.layers.parallel import VocabParallelHead, VocabParallelLinear
+from specserve.layers.parallel import VocabParallelHead, VocabParallelLinear, embedding_weight
 from specserve.sampling.sampler import exponential_race
 
 
@@ -41,7 +41,9 @@ class MarkovHead(nn.Module):
         r, d = cfg.markov_rank, cfg.hidden_size
         self.kind = cfg.markov_head_type
         self.rank = r
-        self.markov_w1 = nn.Embedding(cfg.vocab_size, r)
+        self.markov_w1 = nn.Embedding(
+            cfg.vocab_size, r, _weight=embedding_weight(cfg.vocab_size, r)
+        )
         self.markov_w2 = VocabParallelLinear(r, out_vocab or cfg.vocab_size, group)
         self.hot_w2: torch.Tensor | None = None  # [H, r]: W2's rows of a hot vocabulary
         if self.kind == "gated":
