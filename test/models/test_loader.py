@@ -6,14 +6,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import specserve
 from models_zoo import model_path, random_prompts
 from specserve.config import ModelConfig
 from specserve.models.loader import load_model
+
+DEMO = os.path.join(os.path.dirname(specserve.__file__), "assets", "demo")
 
 
 def copy_model(name: str, dst: str) -> str:
@@ -159,3 +164,33 @@ def test_weights_are_materialized_in_the_target_dtype_only() -> None:
         model = materialize(model, torch.bfloat16, "cpu")
     assert seen.dtypes and set(seen.dtypes) == {torch.bfloat16}
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_building_an_engine_imports_no_compiler() -> None:
+    """Building a target and its DSpark drafter on meta and materializing
+    them touches none of torch's reference ops or compiler: importing
+    ``torch._dynamo`` alone cost every server and rank 2 s of start-up."""
+    code = (
+        "import sys\n"
+        f"from specserve import Engine\n"
+        f"Engine(model_path={DEMO + '/target'!r}, device='cpu', speculative_algorithm='DSPARK',\n"
+        f"       speculative_draft_model_path={DEMO + '/dspark'!r}).shutdown()\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_embeddings_off_meta_are_initialised_as_torch_does() -> None:
+    """Off the meta device an embedding's table is drawn as ``nn.Embedding``
+    draws it (models built for training or tests rely on it)."""
+    from specserve.layers.parallel import embedding_weight
+
+    torch.manual_seed(5)
+    ours = embedding_weight(33, 7)
+    torch.manual_seed(5)
+    want = torch.nn.Embedding(33, 7).weight.detach()
+    assert torch.equal(ours, want)
+    with torch.device("meta"):
+        assert embedding_weight(33, 7).is_meta
