@@ -80,6 +80,22 @@ def test_a_profiled_drafter_prices_every_load_and_is_corrected_online() -> None:
     assert model.draft_seconds(8) == pytest.approx(0.016, rel=0.05)
 
 
+def test_a_profiled_drafter_prices_each_count_within_its_bucket() -> None:
+    """A round for 25 requests costs what the profile says of 25, not of 16,
+    its bucket's first (at 25 of 32 requests drafting, rounds took 1.7x
+    what the staircase priced, and requests 17-31 joined for free); the
+    bucket's measured factor scales every count in it."""
+    draft = CostTable([1, 32], [1], [[0.001], [0.032]])  # 1 ms per request
+    model = CostModel(CostTable([1], [1], [[1.0]]), draft_costs=draft)
+    assert model.draft_seconds(25) == pytest.approx(0.025)
+    curve = model.draft_curve(16, 15)  # 16 drafting anyway, up to 15 more
+    assert curve[9] == pytest.approx(0.009) and curve == sorted(curve)
+    for _ in range(60):  # the 16-31 bucket measured at twice the profile
+        model.observe_draft(20, 0.040)
+    assert model.draft_seconds(25) == pytest.approx(0.050, rel=0.05)
+    assert model.draft_seconds(17) == pytest.approx(0.034, rel=0.05)
+
+
 def test_a_table_without_learning_keeps_its_prediction() -> None:
     """A saved table decides alone (the budget schedule): measured steps
     report what it predicted and leave it as it was."""

@@ -133,7 +133,11 @@ class CostModel:
 
     def draft_seconds(self, n: int) -> float:
         """The drafter for ``n`` requests (0 before any was measured)."""
-        return self._draft_buckets(bucket(n))[-1] if n else 0.0
+        if not n:
+            return 0.0
+        if self.draft_costs is not None:  # the profile at n, its bucket's correction
+            return self.draft_costs(n, n) * self._draft_factor(bucket(n))
+        return self._draft_buckets(bucket(n))[-1]
 
     def profiled_draft_seconds(self, n: int) -> float:
         """The drafter for ``n`` requests by its profiled table alone (0
@@ -142,7 +146,17 @@ class CostModel:
 
     def draft_curve(self, paid: int, n: int) -> list[float]:
         """``draft_seconds(paid + k) - draft_seconds(paid)`` for k in 0 .. n:
-        the drafter's extra cost of k more requests when ``paid`` draft anyway."""
+        the drafter's extra cost of k more requests when ``paid`` draft anyway.
+        With a profile, at each count (a bucket's requests are not all its
+        first's: at 25 of 32 requests drafting, the round took 1.7x the 16
+        requests' the staircase priced it at, and requests 17-31 drafted for
+        free by it); measured only, by bucket."""
+        if self.draft_costs is not None:
+            base = self.draft_seconds(paid)
+            return [
+                max(self.draft_seconds(m) - base, 0.0) if m else 0.0
+                for m in range(paid, paid + n + 1)
+            ]
         per_bucket = self._draft_buckets(bucket(paid + n))
         base = per_bucket[bucket(paid)] if paid else 0.0
         return [
@@ -174,21 +188,19 @@ class CostModel:
         self.draft_cost.setdefault(bucket(n), Ewma(value=start)).add_log(x)
         self.draft_correction.add_log(x)
 
+    def _draft_factor(self, b: int) -> float:
+        """A profiled drafter's measured / profiled factor in requests bucket
+        ``b`` (one never measured: the drafter's other buckets', else the
+        target table's)."""
+        fix = self.draft_cost.get(b, self.draft_correction or self.table_correction)
+        return math.exp(fix.value) if fix.value else 1.0
+
     def _draft_buckets(self, top: int) -> list[float]:
-        """The drafter's seconds per requests bucket 0 .. ``top``: profiled
-        and corrected online (as the step's cells), or without a profile
+        """An unprofiled drafter's seconds per requests bucket 0 .. ``top``:
         measured, else a power law through the measured neighbours (past
         the largest, the slope of the two largest, within [0, 1]: never
         dearer per request for more of them). Below the smallest, its
         seconds: a bucket that drafts once is measured."""
-        if self.draft_costs is not None:
-            out = []
-            fallback = self.draft_correction or self.table_correction
-            for b in range(top + 1):
-                fix = self.draft_cost.get(b, fallback)
-                f = math.exp(fix.value) if fix.value else 1.0
-                out.append(self.draft_costs(1 << b, 1 << b) * f)
-            return out
         known = sorted((b, e.value) for b, e in self.draft_cost.items() if e.value is not None)
         if not known:
             return [0.0] * (top + 1)
