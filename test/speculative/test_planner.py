@@ -402,6 +402,45 @@ def test_estimates_follow_acceptance_and_calibrate_confidences() -> None:
     assert own[2] < drifted[2] < planner.rates[2]  # toward the engine's estimate
 
 
+def test_estimates_before_drafting_predict_what_rounds_commit_after_the_cut() -> None:
+    """The rates that decide who drafts predict the tokens a round commits
+    once ``after_draft`` has cut its drafts by their confidences. Half the
+    rounds are confident (all 4 drafts kept, each accepted at 0.9), half
+    not (cut to 1 draft, accepted at 0.3). Counted where verified only,
+    positions 2-4 are measured on the confident rounds alone and promise
+    20% more tokens than the rounds commit; a cut draft counted as a miss,
+    the estimate matches."""
+    import random
+
+    def run(cut_counts: bool) -> tuple[float, float]:
+        """The mean over rounds of the tokens predicted before each (past a
+        warm-up), and of those accepted."""
+        rng = random.Random(0)
+        planner, own = flat_planner(), None
+        predicted, accepted_total, rounds = 0.0, 0, 4000
+        for k in range(rounds):
+            predicted += sum(survival_of(planner.estimates(own)))
+            kept, p = (4, 0.9) if k % 2 else (1, 0.3)
+            accepted = 0
+            while accepted < kept and rng.random() < p:
+                accepted += 1
+            accepted_total += accepted
+            drafted = 4 if cut_counts else None
+            own = planner.observe_round(own, kept, accepted, None, drafted=drafted)
+        return predicted / rounds, accepted_total / rounds
+
+    predicted, committed = run(cut_counts=True)
+    assert predicted == pytest.approx(committed, rel=0.05)
+    predicted, committed = run(cut_counts=False)
+    assert predicted > 1.15 * committed
+
+
+def test_a_request_whose_drafts_were_all_cut_counts_a_miss() -> None:
+    planner = flat_planner()
+    own = planner.observe_cut([0.8] * 4)
+    assert own[0] < 0.8 and own[1:] == [0.8] * 3 and planner.rates[0] < PRIOR
+
+
 def test_estimates_recover_while_nobody_drafts() -> None:
     """Rejections at high load must not keep a later, lighter load from
     speculating: while every step is plain, the engine's estimates move back

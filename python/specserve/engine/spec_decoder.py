@@ -46,7 +46,9 @@ class SpecDecoder:
         self.stats = SpecStats()  # request-rounds, over the engine's life
         # Of drafts still to verify: their confidences (None: no head) and
         # the tokens the planner expects of their round.
-        self._rounds: dict[str, tuple[list[float] | None, float]] = {}
+        # By request: the round's confidences, predicted tokens and drafts
+        # before the planner's cut (``SpecPlanner.observe_round``).
+        self._rounds: dict[str, tuple[list[float] | None, float, int]] = {}
         self._draft_seconds = 0.0  # drafting for the coming step
         self._drafted = False  # whether the drafter ran for the coming step
         self._generated = 0  # tokens the step in progress committed to decoding requests
@@ -130,9 +132,18 @@ class SpecDecoder:
             n = max(0, min(lengths[j], limits[picked[j]], len(proposal.tokens[j])))
             q = proposal.q[j]
             req.set_drafts(proposal.tokens[j][:n], None if q is None else q[:n])
-            if planner is not None and n:
+            if planner is None:
+                continue
+            # The drafts the planner's cut chose from (only a refinement by
+            # confidences cuts; a pinned chain's are the proposer's own).
+            cut = cal is not None and not pinned[picked[j]]
+            drafted = min(limits[picked[j]], len(proposal.tokens[j])) if cut else n
+            if n:
                 c, s = (None, None) if conf is None or cal is None else (conf[j][:n], cal[j])
-                self._rounds[req.rid] = (c, planner.predicted_tokens(req.accept_rates, s, n))
+                predicted = planner.predicted_tokens(req.accept_rates, s, n)
+                self._rounds[req.rid] = (c, predicted, drafted)
+            elif drafted:  # cut to none: a plain step
+                req.accept_rates = planner.observe_cut(req.accept_rates)
         if planner is not None:  # a catch-up priced per row (with a profile)
             rows = sum(max(pending[k] - STEADY_ROWS, 0) for k in picked)
             planner.observe_draft(len(drafting), time.perf_counter() - start, rows)
@@ -204,12 +215,12 @@ class SpecDecoder:
         if step.verify:
             req.spec.add(committed)
             self.stats.add(committed, len(step.drafts))
-            conf, predicted = self._rounds.pop(req.rid, (None, None))
+            conf, predicted, drafted = self._rounds.pop(req.rid, (None, None, None))
             if req.finished:
                 return  # its pages and draft state go with it
             if self.planner is not None:
                 req.accept_rates = self.planner.observe_round(
-                    req.accept_rates, len(step.drafts), committed - 1, conf, predicted
+                    req.accept_rates, len(step.drafts), committed - 1, conf, predicted, drafted
                 )
             # Not finished, so nothing was cut: the anchor and the accepted
             # drafts are now KV; the last committed token is the next anchor.

@@ -187,11 +187,14 @@ class SpecPlanner:
         accepted: int,
         confidence: Sequence[float] | None,
         predicted: float | None = None,
+        drafted: int | None = None,
     ) -> list[float]:
         """After a verify round of ``verified`` drafts with ``accepted`` of them
         taken: updates the engine's and calibration's estimates and returns
         the request's own. ``predicted``: the tokens the planner expected
-        of the round (``predicted_tokens``; None: from ``own``)."""
+        of the round (``predicted_tokens``; None: from ``own``);
+        ``drafted``: the drafts it had before ``after_draft`` cut them
+        (None: ``verified``), see ``_judge``."""
         own = self.estimates(own)
         if predicted is None:
             predicted = self.predicted_tokens(own, None, verified)
@@ -200,14 +203,32 @@ class SpecPlanner:
         self.predicted.add(predicted)
         scale = self.committed.value / max(self.predicted.value, 1e-12)
         self._credit += predicted * scale - committed
-        for j in range(min(committed, verified)):
+        self._judge(own, accepted, min(committed, max(verified, drafted or 0)))
+        for j in range(min(committed, verified, len(confidence or ()))):
+            self.cal_acc[j].add(1.0 if j < accepted else 0.0)
+            self.cal_conf[j].add(confidence[j])
+        return own
+
+    def observe_cut(self, own: list[float] | None) -> list[float]:
+        """A request drafted for whose drafts ``after_draft`` cut to none (its
+        step is plain): its first draft counts as not accepted (``_judge``)."""
+        own = self.estimates(own)
+        self._judge(own, 0, 1)
+        return own
+
+    def _judge(self, own: list[float], accepted: int, reach: int) -> None:
+        """The request's and the engine's rates at positions ``0 .. reach - 1``:
+        hits below ``accepted``, a miss at it. A draft that ``after_draft``
+        cut counts as a miss, as a rejected one: the rates are what a round
+        commits by the time it is verified, which the decision before
+        drafting must predict. (Counted where verified only, a later
+        position's rate was measured on the confident chains the cut
+        kept: at 8 requests the estimates before drafting promised 16%
+        more tokens than the rounds committed.)"""
+        for j in range(reach):
             hit = 1.0 if j < accepted else 0.0
             own[j] += ALPHA * (hit - own[j])
             self.rates[j] += ENGINE_ALPHA * (hit - self.rates[j])
-            if confidence is not None and j < len(confidence):
-                self.cal_acc[j].add(hit)
-                self.cal_conf[j].add(confidence[j])
-        return own
 
     def predicted_tokens(
         self, own: list[float] | None, calibrated: Sequence[float] | None, drafts: int
