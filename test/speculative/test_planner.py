@@ -17,6 +17,7 @@ from specserve.speculative.safety_net import (
     EXPLORE_LOSS,
     EXPLORE_MAX,
     EXPLORE_MIN,
+    FIRST_PAIRS,
     PROBE_STEPS,
     SETTLE_STEPS,
     SafetyNet,
@@ -203,6 +204,13 @@ def waits(spoke: list[bool], explored: bool) -> list[int]:
     return out
 
 
+# A bucket's first blocks: the model's and plain's probes in turn, until its
+# first verdict (FIRST_PAIRS ratios).
+OPENING = [k % 2 == 0 for k in range(FIRST_PAIRS + 1)]
+OPEN = len(OPENING)
+# Its steps (each switch settles first).
+OPENING_STEPS = sum(BLOCK_STEPS if s else PROBE_STEPS for s in OPENING) + SETTLE_STEPS * (OPEN - 1)
+
 # The loser's waits as it gets measured: fourfold from EXPLORE_MIN to
 # EXPLORE_MAX (a gap of 100% alone would wait the most at once).
 GROWING = [EXPLORE_MIN << k for k in range(0, (EXPLORE_MAX // EXPLORE_MIN).bit_length(), 2)]
@@ -210,17 +218,18 @@ GROWING = [EXPLORE_MIN << k for k in range(0, (EXPLORE_MAX // EXPLORE_MIN).bit_l
 
 def test_the_net_turns_a_losing_bucket_plain_and_explores_it_by_its_loss() -> None:
     """The model (a flat table: drafts look free) speculates; measured,
-    speculation delivers half of plain's goodput. After one block of each,
-    the bucket is plain, and the model's blocks grow rarer as they keep
+    speculation delivers half of plain's goodput. The bucket is plain once its opening has measured FIRST_PAIRS ratios,
+    and the model's blocks grow rarer as they keep
     losing: the wait grows fourfold per block measured, up to EXPLORE_MAX."""
     planner = flat_planner()
-    steps = BLOCK_STEPS * (1 + sum(GROWING) + 2 * len(GROWING) + EXPLORE_MAX + 1) + PROBE_STEPS
+    steps = OPENING_STEPS + BLOCK_STEPS * (sum(GROWING) + 2 * len(GROWING) + EXPLORE_MAX + 1)
     lengths: list[int] = []
     spoke = run_blocks(planner, steps, spec=(4, 2.0), plain=(4, 1.0), lengths=lengths)
-    assert spoke[:2] == [True, False]  # each regime measured once (plain: a probe)
-    assert waits(spoke[2:], True)[: len(GROWING) + 1] == [*GROWING, EXPLORE_MAX]
-    # Whole blocks but the first plain one, a probe; the last block runs on.
-    whole = expected_lengths(spoke, [PROBE_STEPS] + [BLOCK_STEPS] * len(spoke))
+    assert spoke[:OPEN] == OPENING  # each regime measured in turn (plain: in probes)
+    assert waits(spoke[OPEN:], True)[: len(GROWING) + 1] == [*GROWING, EXPLORE_MAX]
+    # Whole blocks but the opening's plain ones, probes; the last block runs on.
+    probes = [PROBE_STEPS] * OPENING.count(False)
+    whole = expected_lengths(spoke, probes + [BLOCK_STEPS] * len(spoke))
     assert lengths[:-1] == whole[:-1]
     assert planner.stats.forced_plain == sum(n for n, s in zip(lengths, spoke) if not s)
     # A heavier load starts plain too (``_neighbours_lead``).
@@ -233,13 +242,13 @@ def test_a_winning_model_keeps_its_bucket_and_plain_is_probed_rarely() -> None:
     block's time at the gap, so probes come eight times as often as a
     losing model's blocks of its own length would (past the growth)."""
     planner = flat_planner()
-    steps = BLOCK_STEPS * (2 + sum(GROWING) + len(GROWING))
+    steps = OPENING_STEPS + BLOCK_STEPS * (1 + sum(GROWING) + len(GROWING))
     lengths: list[int] = []
     spoke = run_blocks(planner, steps, spec=(16, 2.0), plain=(4, 1.0), lengths=lengths)
-    assert spoke[:2] == [True, False]
+    assert spoke[:OPEN] == OPENING
     by_loss = round(1.0 * (PROBE_STEPS * 1.0) / (BLOCK_STEPS * 2.0) / EXPLORE_LOSS)
     expected = [min(w, by_loss) for w in GROWING]
-    assert waits(spoke[2:], False)[: len(expected)] == expected
+    assert waits(spoke[OPEN:], False)[: len(expected)] == expected
     probes = expected_lengths(spoke, [PROBE_STEPS] * len(spoke))
     assert lengths[:-1] == probes[:-1]
     assert planner.stats.forced_plain == sum(n for n, s in zip(lengths, spoke) if not s)
@@ -253,35 +262,48 @@ def test_a_losing_models_wait_counts_its_blocks_time() -> None:
     planner = flat_planner()
     # 3 s a model step for 10% less goodput than plain's 1 s steps.
     spoke = run_blocks(planner, BLOCK_STEPS * 400, spec=(27.0, 3.0), plain=(10.0, 1.0))
-    assert spoke[:2] == [True, False]
+    assert spoke[:OPEN] == OPENING
     gap = 10.0 / 9.0 - 1
     by_loss = round(gap * 3.0 / EXPLORE_LOSS)  # 33 plain blocks (by steps alone: 11)
     expected = [min(w, by_loss) for w in GROWING]
-    assert waits(spoke[2:], True)[: len(expected)] == expected
+    assert waits(spoke[OPEN:], True)[: len(expected)] == expected
 
 
 def test_one_slow_block_does_not_condemn_a_regime_for_long() -> None:
-    """Plain's only block was slow (a stall): the model leads, but plain is
-    measured again within EXPLORE_MIN blocks, and its real goodput wins."""
+    """Plain's first probe was slow (a stall): it weighs in two of the
+    opening's ratios, so the model leads, but plain is measured again
+    within EXPLORE_MIN blocks, and its real goodput wins."""
     planner = flat_planner()
     spoke = run_blocks(planner, BLOCK_STEPS, spec=(4, 1.0), plain=(4, 1.0))
     spoke += run_blocks(planner, PROBE_STEPS, spec=(4, 1.0), plain=(4, 10.0))
     spoke += run_blocks(planner, BLOCK_STEPS * 40, spec=(4, 1.2), plain=(4, 1.0))
-    assert spoke[:2] == [True, False]
-    assert spoke[2 + EXPLORE_MIN] is False  # measured again soon
+    assert spoke[:OPEN] == OPENING
+    assert spoke[OPEN : OPEN + EXPLORE_MIN + 1] == [True] * EXPLORE_MIN + [False]  # again soon
     # Plain's real goodput wins the bucket: the stall is one block of its last few.
     assert planner.net.nets[load_bucket(4)].winner() == "plain"
     assert spoke[-20:].count(False) >= 19
+
+
+def test_a_stalled_first_block_does_not_decide_a_bucket() -> None:
+    """The model leads by 1.3x but its first block stalled: the bucket's
+    first verdict waits for FIRST_PAIRS ratios, whose median is the lead,
+    and the model keeps the bucket (on its first ratio alone, 0.1, plain
+    took it for the next EXPLORE_MIN blocks)."""
+    planner = flat_planner()
+    spoke = run_blocks(planner, BLOCK_STEPS, spec=(4, 10.0), plain=(4, 1.0))  # a stall
+    spoke += run_blocks(planner, BLOCK_STEPS * 20, spec=(5.2, 1.0), plain=(4, 1.0))
+    assert spoke[:OPEN] == OPENING
+    assert spoke[OPEN : OPEN + EXPLORE_MIN] == [True] * EXPLORE_MIN
 
 
 def test_a_close_race_is_explored_often_and_a_tie_goes_plain() -> None:
     planner = flat_planner()
     # 3% apart: below EXPLORE_MIN blocks' worth of loss, so every EXPLORE_MIN.
     spoke = run_blocks(planner, BLOCK_STEPS * 20, spec=(4, 1.03), plain=(4, 1.0))
-    assert spoke[2 : 2 + 2 * EXPLORE_MIN + 2] == ([False] * EXPLORE_MIN + [True]) * 2
+    assert spoke[OPEN : OPEN + 2 * EXPLORE_MIN + 2] == ([False] * EXPLORE_MIN + [True]) * 2
     tie = flat_planner()
-    spoke = run_blocks(tie, BLOCK_STEPS * 6, spec=(4, 1.0), plain=(4, 1.0))
-    assert spoke[2:5] == [False] * 3  # speculation must win by NET_MARGIN
+    spoke = run_blocks(tie, OPENING_STEPS + BLOCK_STEPS * 4, spec=(4, 1.0), plain=(4, 1.0))
+    assert spoke[OPEN : OPEN + 3] == [False] * 3  # speculation must win by NET_MARGIN
 
 
 def test_a_new_load_bucket_starts_from_its_neighbours_verdict() -> None:
@@ -290,18 +312,16 @@ def test_a_new_load_bucket_starts_from_its_neighbours_verdict() -> None:
     the model as a loser; below one the model won, it starts with the model
     and probes plain later. Without such a neighbour, the model first."""
     planner = flat_planner()
-    # Plain won (the probe settles a step after the model's block).
-    run_blocks(planner, BLOCK_STEPS + PROBE_STEPS + SETTLE_STEPS, spec=(4, 2.0), plain=(4, 1.0))
+    run_blocks(planner, OPENING_STEPS, spec=(4, 2.0), plain=(4, 1.0))  # plain won
     heavier = run_blocks(planner, BLOCK_STEPS * 5, spec=(16, 2.0), plain=(16, 1.0), requests=16)
     assert heavier == [False] * EXPLORE_MIN + [True]
-    forced = PROBE_STEPS + SETTLE_STEPS + BLOCK_STEPS * EXPLORE_MIN
-    assert planner.stats.forced_plain == forced
+    probes = OPENING.count(False) * (PROBE_STEPS + SETTLE_STEPS)
+    assert planner.stats.forced_plain == probes + BLOCK_STEPS * EXPLORE_MIN
     lighter = run_blocks(planner, BLOCK_STEPS * 2, spec=(1, 2.0), plain=(1, 1.0), requests=1)
     assert lighter[:2] == [True, False]  # plain won above: no verdict for a lighter load
 
     planner = flat_planner()
-    steps = BLOCK_STEPS + PROBE_STEPS + SETTLE_STEPS
-    run_blocks(planner, steps, spec=(64, 2.0), plain=(16, 1.0), requests=16)
+    run_blocks(planner, OPENING_STEPS, spec=(64, 2.0), plain=(16, 1.0), requests=16)
     lighter = run_blocks(planner, BLOCK_STEPS * 5, spec=(16, 2.0), plain=(4, 1.0))
     assert planner.net.nets[load_bucket(16)].winner() == "model"
     assert lighter[: EXPLORE_MIN + 1] == [True] * EXPLORE_MIN + [False]  # then a probe

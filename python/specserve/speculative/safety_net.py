@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 # as one of them, 5 if a quarter of the time (a plain probe: a quarter of
 # the steps), 60 if three times (a model block at a high load), within
 # [EXPLORE_MIN, EXPLORE_MAX] and growing at most fourfold per exploration.
-# The model runs the first block, plain the second, unless a neighbouring
-# bucket's verdict holds here (``SafetyNet._neighbours_lead``).
+# The model runs the first block, plain the second, and so on until
+# FIRST_PAIRS ratios are measured, unless a neighbouring bucket's verdict
+# holds here (``SafetyNet._neighbours_lead``).
 # A block that follows one of the other regime first runs SETTLE_STEPS
 # steps it does not measure: the switch's cost belongs to neither regime's
 # steady state. (At 8 requests the first plain step after drafted steps
@@ -51,6 +52,13 @@ SETTLE_STEPS = 1
 # lead). The model's blocks stay whole: its goodput goes with the text.
 PROBE_STEPS = 4
 NET_RECENT = 5
+# A bucket's first verdict waits for this many ratios (the model's blocks
+# and plain's probes alternating until then; a neighbour's verdict stands
+# in as one vote): one pair's ratio scatters by a third on a busy 2-core
+# machine, and a first verdict against the leader held for blocks (a
+# sweep's 1-client DSPARK server, its model ahead, stepped plain 76% of
+# the time).
+FIRST_PAIRS = 3
 NET_MARGIN = 0.05
 EXPLORE_LOSS = 0.01
 EXPLORE_MIN, EXPLORE_MAX = 4, 64
@@ -110,10 +118,13 @@ class BucketNet:
 
     @property
     def lead(self) -> float:
-        """The model's goodput over plain's (before any pair: the prior, else 1)."""
-        if self.ratios:
-            return statistics.median(self.ratios)
-        return 1.0 if self.prior is None else self.prior
+        """The model's goodput over plain's: the median of the recent ratios,
+        the prior one of them while they are fewer than FIRST_PAIRS (before
+        any: the prior, else 1)."""
+        votes = list(self.ratios)
+        if len(votes) < FIRST_PAIRS and self.prior is not None:
+            votes.append(self.prior)
+        return statistics.median(votes) if votes else 1.0
 
     def winner(self) -> str:
         return MODEL if self.lead > 1 + NET_MARGIN else PLAIN
@@ -130,7 +141,8 @@ class BucketNet:
             # exploration (one slow block must not condemn a regime for long;
             # the median of a few pairs outvotes it). At a high load, twofold
             # explored a losing model for a fifth of a 32-client wave's time.
-            known = EXPLORE_MIN << 2 * (self.pairs // 2)
+            explored = max(self.pairs - FIRST_PAIRS + 1, 0)  # pairs since the verdict
+            known = EXPLORE_MIN << 2 * (explored // 2)
             wait = min(round(gap * self._share(leader) / EXPLORE_LOSS), known, EXPLORE_MAX)
             self.countdown = max(wait, EXPLORE_MIN)
         if self.countdown > 0:
@@ -158,8 +170,8 @@ class BucketNet:
 
     @property
     def judged(self) -> bool:
-        """Whether a lead is known: measured here, or a neighbour's."""
-        return bool(self.ratios) or self.prior is not None
+        """Whether a lead is known: measured here (FIRST_PAIRS), or a neighbour's."""
+        return len(self.ratios) >= FIRST_PAIRS or self.prior is not None
 
 
 @dataclass
@@ -204,7 +216,7 @@ class SafetyNet:
         """A new bucket's prior: speculation gains less the more requests share
         a step, so plain winning at a lighter load, or the model at a heavier
         one, says the same here until measured (None: neither did)."""
-        judged = sorted(k for k, net in self.nets.items() if net.ratios)
+        judged = sorted(k for k, net in self.nets.items() if len(net.ratios) >= FIRST_PAIRS)
         lower = [k for k in judged if k < b]
         if lower and self.nets[lower[-1]].winner() == PLAIN:
             return self.nets[lower[-1]].lead
