@@ -151,11 +151,14 @@ class CostModel:
         first's: at 25 of 32 requests drafting, the round took 1.7x the 16
         requests' the staircase priced it at, and requests 17-31 drafted for
         free by it); measured only, by bucket."""
-        if self.draft_costs is not None:
-            base = self.draft_seconds(paid)
-            return [
-                max(self.draft_seconds(m) - base, 0.0) if m else 0.0
+        if self.draft_costs is not None:  # each bucket's factor once (every step asks)
+            factors = [self._draft_factor(b) for b in range(bucket(paid + n) + 1)]
+            at = [
+                self.draft_costs(m, m) * factors[bucket(m)] if m else 0.0
                 for m in range(paid, paid + n + 1)
+            ]
+            return [
+                max(t - at[0], 0.0) if m else 0.0 for m, t in zip(range(paid, paid + n + 1), at)
             ]
         per_bucket = self._draft_buckets(bucket(paid + n))
         base = per_bucket[bucket(paid)] if paid else 0.0

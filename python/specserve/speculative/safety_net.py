@@ -122,7 +122,7 @@ class BucketNet:
         the prior one of them while they are fewer than FIRST_PAIRS (before
         any: the prior, else 1)."""
         votes = list(self.ratios)
-        if len(votes) < FIRST_PAIRS and self.prior is not None:
+        if not self.measured and self.prior is not None:
             votes.append(self.prior)
         return statistics.median(votes) if votes else 1.0
 
@@ -170,8 +170,13 @@ class BucketNet:
 
     @property
     def judged(self) -> bool:
-        """Whether a lead is known: measured here (FIRST_PAIRS), or a neighbour's."""
-        return len(self.ratios) >= FIRST_PAIRS or self.prior is not None
+        """Whether a lead is known: measured here, or a neighbour's."""
+        return self.measured or self.prior is not None
+
+    @property
+    def measured(self) -> bool:
+        """Whether its own ratios decide (FIRST_PAIRS of them)."""
+        return len(self.ratios) >= FIRST_PAIRS
 
 
 @dataclass
@@ -216,7 +221,7 @@ class SafetyNet:
         """A new bucket's prior: speculation gains less the more requests share
         a step, so plain winning at a lighter load, or the model at a heavier
         one, says the same here until measured (None: neither did)."""
-        judged = sorted(k for k, net in self.nets.items() if len(net.ratios) >= FIRST_PAIRS)
+        judged = sorted(k for k, net in self.nets.items() if net.measured)
         lower = [k for k in judged if k < b]
         if lower and self.nets[lower[-1]].winner() == PLAIN:
             return self.nets[lower[-1]].lead
