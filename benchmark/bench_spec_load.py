@@ -5,7 +5,8 @@ Every configuration is a ``specserve serve`` of the same target (the demo
 by default) on its own port. For each concurrency C and each repeat, every
 speculative server gets one wave beside a plain one: C clients share ``max(C * --requests-per-client, 8)`` held-out prompts, each
 sending its next request when the last one finished, greedy, natural stops
-(``max_tokens`` caps them). Each speculative wave runs next to a plain
+(each prompt's ``max_tokens`` drawn from half to all of ``--output-len``:
+``spread_lengths``). Each speculative wave runs next to a plain
 one, and its ratio to that one is what counts: the machine drifts by
 several percent over minutes, and adjacent waves share its state. The
 plain wave runs first on even repeats and second on odd ones (the second
@@ -29,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -67,7 +69,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--input-len", type=int, default=64, help="prompt tokens (held-out windows)")
-    p.add_argument("--output-len", type=int, default=64, help="max_tokens of every request")
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=64,
+        help="the most max_tokens of a request (spread_lengths)",
+    )
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--port", type=int, default=31000, help="the first server's port")
     p.add_argument("--server-args", default="", help="more flags for every server (one string)")
@@ -131,18 +138,33 @@ async def stats(client: httpx.AsyncClient, port: int) -> dict[str, Any]:
     return r.json().get("stats") or {}
 
 
-async def wave(port: int, prompts: list[list[int]], clients: int, max_tokens: int) -> dict:
-    """One wave: ``clients`` workers drain ``prompts``; returns tok/s and the
-    server's speculative counters over the wave."""
+def spread_lengths(count: int, most: int) -> list[int]:
+    """``max_tokens`` per prompt, drawn uniformly from ``[most / 2, most]``
+    with a fixed seed. The demo seldom stops before its cap: with one cap
+    for all, a plain server's requests all finish together and the next
+    ones arrive together, their prompts one batched prefill, while
+    speculation soon spreads its requests apart and mixes a prompt's chunk
+    into many decode steps, which costs more (4% of plain's speed at 8
+    requests, offline in ``bench_spec_lockstep.py``). Spread caps keep
+    every server's requests apart, as real traffic's are."""
+    rng = random.Random(0)
+    return [rng.randint(max(most // 2, 1), most) for _ in range(count)]
+
+
+async def wave(port: int, prompts: list[list[int]], clients: int, max_tokens: list[int]) -> dict:
+    """One wave: ``clients`` workers drain ``prompts`` (``max_tokens``: each
+    one's cap); returns tok/s and the server's speculative counters over
+    the wave."""
     async with httpx.AsyncClient(timeout=600) as client:
         before = await stats(client, port)
-        queue = list(reversed(prompts))
+        queue = list(zip(reversed(prompts), reversed(max_tokens)))
         tokens = 0
 
         async def worker() -> None:
             nonlocal tokens
             while queue:
-                body = {"prompt": queue.pop(), "max_tokens": max_tokens, "temperature": 0}
+                prompt, cap = queue.pop()
+                body = {"prompt": prompt, "max_tokens": cap, "temperature": 0}
                 r = await client.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
                 r.raise_for_status()
                 tokens += r.json()["usage"]["completion_tokens"]
@@ -180,14 +202,16 @@ def main() -> int:
         args.input_len,
         args.model_path,
     )
+    caps_all = spread_lengths(len(prompts_all), args.output_len)
     log_dir = tempfile.mkdtemp(prefix="bench-spec-load-")
     procs = start_servers(args, names, log_dir)
     rows = []
     try:
         for name in names:  # warm-up: one request each
-            asyncio.run(wave(procs[name][1], prompts_all[:1], 1, 8))
+            asyncio.run(wave(procs[name][1], prompts_all[:1], 1, [8]))
         for c in args.concurrency:
-            prompts = prompts_all[: max(c * args.requests_per_client, 8)]
+            count = max(c * args.requests_per_client, 8)
+            prompts, caps = prompts_all[:count], caps_all[:count]
             runs: dict[str, list[dict]] = {n: [] for n in names}
             ratios: dict[str, list[float]] = {n: [] for n in args.configs}
             for rep in range(args.repeats):
@@ -199,10 +223,7 @@ def main() -> int:
                     # plain-control arm), which would count against every
                     # configuration run second.
                     order = ["plain", name] if rep % 2 == 0 else [name, "plain"]
-                    pair = {
-                        n: asyncio.run(wave(procs[n][1], prompts, c, args.output_len))
-                        for n in order
-                    }
+                    pair = {n: asyncio.run(wave(procs[n][1], prompts, c, caps)) for n in order}
                     runs["plain"].append(pair["plain"])
                     runs[name].append(pair[name])
                     ratios[name].append(pair[name]["tok_s"] / pair["plain"]["tok_s"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -47,6 +49,31 @@ def test_the_adaptive_ab_runs() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     for key in ('"adaptive_vs_fixed"', '"spec_forced_plain_steps"', '"net_ratios"'):
         assert key in done.stdout
+
+
+def test_the_lockstep_ab_runs(tmp_path) -> None:
+    """It drives engine cores and reads the planner's counters by name: a
+    rename must not break it. Every configuration's engine commits tokens,
+    and the speculative one verifies rounds."""
+    out = tmp_path / "lockstep.json"
+    done = run("bench_spec_lockstep.py", "--concurrency", "2", "--configs", "plain-control",
+               "DSPARK-fixed", "--windows", "2", "--window", "6", "--warm-up", "4",
+               "--input-len", "8", "--output-len", "8", "--output-json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["clients"] == 2 and row["plain_tok_s"] > 0
+    assert row["plain-control"]["vs_plain"] > 0 and row["plain-control"]["tau"] is None
+    assert row["DSPARK-fixed"]["vs_plain"] > 0 and row["DSPARK-fixed"]["tau"] >= 1
+
+
+def test_request_caps_are_spread_and_the_same_for_every_server() -> None:
+    path = os.path.join(ROOT, "benchmark", "bench_spec_load.py")
+    spec = importlib.util.spec_from_file_location("bench_spec_load", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    caps = bench.spread_lengths(200, 64)
+    assert caps == bench.spread_lengths(200, 64)  # every server gets the same
+    assert min(caps) == 32 and max(caps) == 64 and len(set(caps)) > 16
 
 
 def test_a_missing_server_is_named() -> None:

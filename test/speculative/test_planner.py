@@ -5,6 +5,8 @@ the costs: test_cost_model, test_step_costs.)"""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from models_zoo import model_path, random_prompts
@@ -696,5 +698,39 @@ def test_the_default_engine_profiles_its_table_and_stays_exact(
         outs = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert [o["output_ids"] for o in outs] == [p["output_ids"] for p in plain_outputs]
         assert eng.stats()["spec_steps"] > 0
+    finally:
+        eng.shutdown()
+
+
+def test_a_driver_that_turns_elsewhere_between_steps_charges_no_step_for_it(drafters) -> None:
+    """The busy loop's time between two steps counts as the next step's (its
+    deltas, commands taken in); after ``EngineCore.idle`` it does not: a
+    driver that runs another engine's step meanwhile (the lockstep
+    benchmark) must not make this engine's steps look dearer, which would
+    make drafting look cheaper by comparison."""
+    from specserve.core import Req
+
+    eng = engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafters["DSPARK"])
+    try:
+        core = eng.core
+        sampling = {"max_new_tokens": 16, "ignore_eos": True}
+        for prompt in PROMPTS[:2]:
+            (g,), _ = eng.requests.build(None, sampling, input_ids=prompt)
+            assert core.add(Req(g.rid, g.input_ids, g.sampling, g.logprob, eng.eos_ids)) is None
+        for _ in range(3):
+            core.step()
+        stats = core.spec.planner.stats
+
+        def charged(idle: bool) -> float:
+            before = stats.measured_seconds
+            time.sleep(0.5)  # another engine's step, say
+            if idle:
+                core.idle()
+            core.step()
+            return stats.measured_seconds - before
+
+        assert charged(idle=False) >= 0.5
+        assert charged(idle=True) < 0.25
+        assert core.has_work()
     finally:
         eng.shutdown()

@@ -243,6 +243,12 @@ class EngineCore:
             self._loop_since = end if self.has_work() else None
         return outputs
 
+    def idle(self) -> None:
+        """The driver turns to other work before the next step (another
+        engine's step in ``bench_spec_lockstep.py``): the time until then is
+        no step's cost, as a wait for work is not."""
+        self._loop_since = None
+
     def _loop_time(self, start: float) -> float:
         """What the busy loop spent since the last step's measurement besides
         drafting: that step's deltas, and delivering them and taking in

@@ -1,0 +1,214 @@
+"""Speculation against plain decoding under load, engines in lockstep.
+
+One process holds a plain engine and one engine per configuration, each
+with C requests in flight (closed loop: a finished request is replaced
+by the next held-out prompt at once; greedy, natural stops, each prompt's
+``max_tokens`` spread over half to all of ``--output-len``: see
+``spread_lengths``). The engines take one step each in turn, the order rotated
+every round, so that they share the machine's state within a few
+milliseconds of each other: on a 2-core machine whose speed drifts by
+10-30% over seconds, the pair ratios of ``bench_spec_load.py``'s
+seconds-long waves spread as wide as the effects measured, and these do
+not. Each engine's tok/s is its committed tokens over its own steps'
+time (the drafting for its next step included); a window is ``--window``
+rounds, and its ratio is the engine's tok/s over plain's in the same
+window. Reported per C and configuration: the median and quartiles of
+the windows' ratios, the share of decode steps that verified no drafts,
+and tau. ``plain-control``, a second plain engine, measures what is left
+of the engines' own bias (its ratio should be 1).
+
+No HTTP: what it measures is the engine (scheduler, forwards, drafting,
+the cost model's decisions); ``bench_spec_load.py`` measures the server.
+
+    python benchmark/bench_spec_lockstep.py                   # the demo, every config
+    python benchmark/bench_spec_lockstep.py --concurrency 8 --configs DSPARK DSPARK-fixed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "plain-control": {},
+    "DSPARK": {"speculative_algorithm": "DSPARK"},
+    "DSPARK-fixed": {"speculative_algorithm": "DSPARK", "speculative_adaptive": "off"},
+    "DFLASH": {"speculative_algorithm": "DFLASH"},
+    "NGRAM": {"speculative_algorithm": "NGRAM"},
+    "DSPARK-ngram-first": {"speculative_algorithm": "DSPARK", "speculative_ngram_first": True},
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--windows", type=int, default=8, help="measured windows per concurrency")
+    p.add_argument("--window", type=int, default=200, help="rounds (one step each) per window")
+    p.add_argument("--warm-up", type=int, default=300, help="rounds before measuring, per C")
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens (held-out windows)")
+    p.add_argument("--output-len", type=int, default=64, help="the most max_tokens of a request")
+    p.add_argument("--output-json", default=None)
+    return p.parse_args()
+
+
+class ClosedLoop:
+    """``clients`` requests in flight on one engine's core, each replaced by
+    the next prompt when it finishes; counts its tokens and step seconds."""
+
+    def __init__(self, engine: Any, prompts: list[list[int]], max_tokens: list[int]) -> None:
+        from specserve.core import Req
+
+        self.engine, self.core, self.prompts, self._req = engine, engine.core, prompts, Req
+        self.max_tokens = max_tokens  # by prompt
+        self.next_prompt, self.in_flight = 0, 0
+        self.tokens, self.seconds = 0, 0.0
+
+    def fill(self, clients: int) -> None:
+        while self.in_flight < clients:
+            i = self.next_prompt % len(self.prompts)
+            self.next_prompt += 1
+            sampling = {"temperature": 0, "max_new_tokens": self.max_tokens[i]}
+            greqs, _ = self.engine.requests.build(None, sampling, input_ids=self.prompts[i])
+            g = greqs[0]
+            req = self._req(g.rid, g.input_ids, g.sampling, g.logprob, self.engine.eos_ids)
+            assert self.core.add(req) is None, "a benchmark request failed at admission"
+            self.in_flight += 1
+
+    def step(self, clients: int) -> None:
+        self.core.idle()  # the other engines' steps since its last are not its cost
+        start = time.perf_counter()
+        outputs = self.core.step()
+        self.seconds += time.perf_counter() - start
+        for out in outputs:
+            self.tokens += len(out.token_ids)
+            if out.finished:
+                assert out.finish_reason is not None and out.finish_reason.type != "abort", out
+                self.in_flight -= 1
+        self.fill(clients)
+
+    def drain(self) -> None:
+        while self.core.has_work():
+            self.step(0)
+
+    def take(self) -> tuple[int, float]:
+        out, self.tokens, self.seconds = (self.tokens, self.seconds), 0, 0.0
+        return out
+
+
+def counters(engine: Any) -> tuple[int, int, int, int]:
+    """Decode steps decided, of them plain, verify rounds and their tokens."""
+    spec = engine.core.spec
+    if spec is None:
+        return 0, 0, 0, 0
+    planner = spec.planner
+    steps, plain = (planner.stats.steps, planner.stats.plain_steps) if planner else (0, 0)
+    return steps, plain, spec.stats.rounds, spec.stats.committed
+
+
+def main() -> int:
+    args = parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_spec_load import held_out_prompts, spread_lengths
+    from specserve import Engine
+    from specserve.assets import demo_path
+    from specserve.engine.engine import device_scope
+
+    most = max(args.concurrency)
+    prompts = held_out_prompts(max(4 * most, 64), args.input_len, None)
+    max_tokens = spread_lengths(len(prompts), args.output_len)
+    # Every engine's pool holds its most requests with room to spare (the
+    # default pool would take gigabytes per engine).
+    common = {
+        "model_path": demo_path("target"),
+        "device": "cpu",
+        "max_running_requests": most,
+        "max_total_tokens": most * (args.input_len + args.output_len + 64),
+    }
+    names = ["plain", *args.configs]
+    engines = {}
+    for name in names:
+        kw = dict(CONFIGS.get(name, {}))
+        alg = kw.get("speculative_algorithm")
+        if alg in ("DSPARK", "DFLASH"):
+            kw["speculative_draft_model_path"] = demo_path(alg.lower())
+        engines[name] = Engine(**common, **kw)
+    loops = {n: ClosedLoop(e, prompts, max_tokens) for n, e in engines.items()}
+    results: list[dict] = []
+
+    def rounds(count: int, clients: int) -> None:
+        order = list(loops.values())
+        for r in range(count):
+            k = r % len(order)
+            for loop in order[k:] + order[:k]:
+                loop.step(clients)
+
+    try:
+        with device_scope(engines["plain"].runner.device):
+            for c in args.concurrency:
+                for loop in loops.values():
+                    loop.fill(c)
+                rounds(args.warm_up, c)
+                for loop in loops.values():
+                    loop.take()
+                before = {n: counters(e) for n, e in engines.items()}
+                ratios: dict[str, list[float]] = {n: [] for n in names[1:]}
+                rates: dict[str, list[float]] = {n: [] for n in names}
+                for _ in range(args.windows):
+                    rounds(args.window, c)
+                    taken = {n: loop.take() for n, loop in loops.items()}
+                    rate = {n: t / max(s, 1e-12) for n, (t, s) in taken.items()}
+                    for n in names:
+                        rates[n].append(rate[n])
+                    for n in names[1:]:
+                        ratios[n].append(rate[n] / rate["plain"])
+                after = {n: counters(e) for n, e in engines.items()}
+                row = {"clients": c, "plain_tok_s": statistics.median(rates["plain"])}
+                for n in names[1:]:
+                    steps, plain, rnds, committed = (a - b for a, b in zip(after[n], before[n]))
+                    q = (
+                        statistics.quantiles(ratios[n], n=4)
+                        if len(ratios[n]) > 1
+                        else ratios[n] * 3
+                    )
+                    row[n] = {
+                        "tok_s": statistics.median(rates[n]),
+                        "vs_plain": statistics.median(ratios[n]),
+                        "quartiles": [q[0], q[2]],
+                        "plain_share": plain / steps if steps else None,
+                        "tau": committed / rnds if rnds else None,
+                    }
+                results.append(row)
+                print(format_row(row, names[1:]), flush=True)
+                for loop in loops.values():  # the next C starts from empty engines
+                    loop.drain()
+                    loop.take()
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"configs": names[1:], "rows": results}, f, indent=1)
+    return 0
+
+
+def format_row(row: dict, names: list[str]) -> str:
+    parts = [f"C={row['clients']:<3} plain {row['plain_tok_s']:7.1f} tok/s"]
+    for n in names:
+        r = row[n]
+        extra = "" if r["plain_share"] is None else f", {100 * r['plain_share']:.0f}% plain"
+        tau = "" if r["tau"] is None else f" t{r['tau']:.2f}"
+        lo, hi = r["quartiles"]
+        parts.append(f"{n} {r['vs_plain']:.3f}x ({lo:.3f}-{hi:.3f}){tau}{extra}")
+    return " | ".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
