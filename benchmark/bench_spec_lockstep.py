@@ -56,6 +56,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=64, help="prompt tokens (held-out windows)")
     p.add_argument("--output-len", type=int, default=64, help="the most max_tokens of a request")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None, metavar="PATH.png", help="ratios against clients")
     return p.parse_args()
 
 
@@ -103,14 +104,61 @@ class ClosedLoop:
         return out
 
 
-def counters(engine: Any) -> tuple[int, int, int, int]:
-    """Decode steps decided, of them plain, verify rounds and their tokens."""
+def counters(engine: Any) -> tuple[int, ...]:
+    """Decode steps decided, of them plain and those the safety net made
+    plain, verify rounds and their tokens."""
     spec = engine.core.spec
     if spec is None:
-        return 0, 0, 0, 0
-    planner = spec.planner
-    steps, plain = (planner.stats.steps, planner.stats.plain_steps) if planner else (0, 0)
-    return steps, plain, spec.stats.rounds, spec.stats.committed
+        return 0, 0, 0, 0, 0
+    st = spec.planner.stats if spec.planner else None
+    decided = (st.steps, st.plain_steps, st.forced_plain) if st else (0, 0, 0)
+    return *decided, spec.stats.rounds, spec.stats.committed
+
+
+def rounds(loops: dict[str, ClosedLoop], count: int, clients: int) -> None:
+    """``count`` rounds of one step per engine, the order rotated per round."""
+    order = list(loops.values())
+    for r in range(count):
+        k = r % len(order)
+        for loop in order[k:] + order[:k]:
+            loop.step(clients)
+
+
+def measure(loops: dict[str, ClosedLoop], clients: int, args: argparse.Namespace) -> dict:
+    """One concurrency's row: every engine filled to ``clients`` requests,
+    warmed up, measured over ``args.windows`` windows, then drained."""
+    names = list(loops)
+    for loop in loops.values():
+        loop.fill(clients)
+    rounds(loops, args.warm_up, clients)
+    for loop in loops.values():
+        loop.take()
+    before = {n: counters(loop.engine) for n, loop in loops.items()}
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(args.windows):
+        rounds(loops, args.window, clients)
+        for n, loop in loops.items():
+            tokens, seconds = loop.take()
+            rates[n].append(tokens / max(seconds, 1e-12))
+    row: dict[str, Any] = {"clients": clients, "plain_tok_s": statistics.median(rates["plain"])}
+    for n in names[1:]:
+        steps, plain, forced, rnds, committed = (
+            a - b for a, b in zip(counters(loops[n].engine), before[n])
+        )
+        ratios = [a / b for a, b in zip(rates[n], rates["plain"])]
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        row[n] = {
+            "tok_s": statistics.median(rates[n]),
+            "vs_plain": statistics.median(ratios),
+            "quartiles": [q[0], q[2]],
+            "plain_share": plain / steps if steps else None,
+            "forced_share": forced / steps if steps else None,
+            "tau": committed / rnds if rnds else None,
+        }
+    for loop in loops.values():  # the next concurrency starts from empty engines
+        loop.drain()
+        loop.take()
+    return row
 
 
 def main() -> int:
@@ -142,68 +190,57 @@ def main() -> int:
         engines[name] = Engine(**common, **kw)
     loops = {n: ClosedLoop(e, prompts, max_tokens) for n, e in engines.items()}
     results: list[dict] = []
-
-    def rounds(count: int, clients: int) -> None:
-        order = list(loops.values())
-        for r in range(count):
-            k = r % len(order)
-            for loop in order[k:] + order[:k]:
-                loop.step(clients)
-
     try:
         with device_scope(engines["plain"].runner.device):
             for c in args.concurrency:
-                for loop in loops.values():
-                    loop.fill(c)
-                rounds(args.warm_up, c)
-                for loop in loops.values():
-                    loop.take()
-                before = {n: counters(e) for n, e in engines.items()}
-                ratios: dict[str, list[float]] = {n: [] for n in names[1:]}
-                rates: dict[str, list[float]] = {n: [] for n in names}
-                for _ in range(args.windows):
-                    rounds(args.window, c)
-                    taken = {n: loop.take() for n, loop in loops.items()}
-                    rate = {n: t / max(s, 1e-12) for n, (t, s) in taken.items()}
-                    for n in names:
-                        rates[n].append(rate[n])
-                    for n in names[1:]:
-                        ratios[n].append(rate[n] / rate["plain"])
-                after = {n: counters(e) for n, e in engines.items()}
-                row = {"clients": c, "plain_tok_s": statistics.median(rates["plain"])}
-                for n in names[1:]:
-                    steps, plain, rnds, committed = (a - b for a, b in zip(after[n], before[n]))
-                    q = (
-                        statistics.quantiles(ratios[n], n=4)
-                        if len(ratios[n]) > 1
-                        else ratios[n] * 3
-                    )
-                    row[n] = {
-                        "tok_s": statistics.median(rates[n]),
-                        "vs_plain": statistics.median(ratios[n]),
-                        "quartiles": [q[0], q[2]],
-                        "plain_share": plain / steps if steps else None,
-                        "tau": committed / rnds if rnds else None,
-                    }
-                results.append(row)
-                print(format_row(row, names[1:]), flush=True)
-                for loop in loops.values():  # the next C starts from empty engines
-                    loop.drain()
-                    loop.take()
+                results.append(measure(loops, c, args))
+                print(format_row(results[-1], names[1:]), flush=True)
     finally:
         for e in engines.values():
             e.shutdown()
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"configs": names[1:], "rows": results}, f, indent=1)
+    if args.plot:
+        plot(results, names[1:], args.plot)
     return 0
+
+
+def plot(rows: list[dict], names: list[str], path: str) -> None:
+    """Each configuration's tok/s over plain's against clients, its windows'
+    quartiles as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    clients = [r["clients"] for r in rows]
+    for n in names:
+        mid = [r[n]["vs_plain"] for r in rows]
+        lo = [m - r[n]["quartiles"][0] for m, r in zip(mid, rows)]
+        hi = [r[n]["quartiles"][1] - m for m, r in zip(mid, rows)]
+        ax.errorbar(clients, mid, yerr=[lo, hi], marker="o", capsize=3, label=n)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(0.98, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests in flight")
+    ax.set_ylabel("tok/s over plain's (engines in lockstep)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def format_row(row: dict, names: list[str]) -> str:
     parts = [f"C={row['clients']:<3} plain {row['plain_tok_s']:7.1f} tok/s"]
     for n in names:
         r = row[n]
-        extra = "" if r["plain_share"] is None else f", {100 * r['plain_share']:.0f}% plain"
+        extra = ""
+        if r["plain_share"] is not None:
+            extra = (
+                f", {100 * r['plain_share']:.0f}% plain ({100 * r['forced_share']:.0f}% by the net)"
+            )
         tau = "" if r["tau"] is None else f" t{r['tau']:.2f}"
         lo, hi = r["quartiles"]
         parts.append(f"{n} {r['vs_plain']:.3f}x ({lo:.3f}-{hi:.3f}){tau}{extra}")

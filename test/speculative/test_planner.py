@@ -11,9 +11,10 @@ import pytest
 
 from models_zoo import model_path, random_prompts
 from specserve import Engine
+from specserve.speculative import planner as planner_module
 from specserve.speculative.draft_choice import survival_of
 from specserve.speculative.dspark import DSparkProposer
-from specserve.speculative.planner import MARGIN, PRIOR, SpecPlanner
+from specserve.speculative.planner import HOLD_MAX, MARGIN, PRIOR, SpecPlanner
 from specserve.speculative.safety_net import (
     BLOCK_STEPS,
     EXPLORE_LOSS,
@@ -480,6 +481,37 @@ def test_estimates_recover_while_nobody_drafts() -> None:
     flat = flat_planner()
     flat.rates = steep.rates
     assert any(flat.before_draft([None], [4], 1, 0))
+
+
+def test_a_plain_choice_by_a_wide_margin_holds_at_the_same_load(monkeypatch) -> None:
+    """Drafts worth 0.6 of a plain step: the choice holds for HOLD_MAX
+    steps at the same load without deciding again (at 32 requests each
+    decision cost 5% of the step), with the estimates recovering as fresh
+    plain decisions make them; another load decides afresh, and so does a
+    near tie."""
+    calls = []
+    rated = planner_module.rated_drafts
+    monkeypatch.setattr(
+        planner_module, "rated_drafts", lambda *a, **kw: calls.append(1) or rated(*a, **kw)
+    )
+    linear = CostTable([1, 64], [1, 8], [[1.0, 8.0], [64.0, 512.0]])  # a token's cost each
+    held, fresh = SpecPlanner(4, linear), SpecPlanner(4, linear)
+    held.rates = fresh.rates = [0.2] * 4  # one draft: 1.2 tokens in 2 tokens time
+    assert held.before_draft([None], [4], 1, 0) == [0] and len(calls) == 1
+    assert fresh.before_draft([None], [4], 1, 0) == [0]
+    for _ in range(HOLD_MAX):
+        assert held.holds_plain(1, 0)
+        assert fresh.before_draft([None], [4], 1, 0) == [0]
+    assert len(calls) == 2 + HOLD_MAX  # the fresh planner's only
+    assert held.rates == pytest.approx(fresh.rates)  # recovering toward the prior alike
+    assert not held.holds_plain(1, 0)  # the hold ran out
+    assert held.before_draft([None], [4], 1, 0) == [0]
+    assert not held.holds_plain(1, 8)  # a prefill chunk beside: decided afresh
+    assert not held.holds_plain(1, 0)  # and the hold is gone
+    tie = SpecPlanner(4, linear)
+    tie.rates = [0.999] * 4  # drafts worth 0.998 of plain: within the margin, no lead
+    assert tie.before_draft([None], [4], 1, 0) == [0]
+    assert not tie.holds_plain(1, 0)
 
 
 # ---- engines --------------------------------------------------------------------------

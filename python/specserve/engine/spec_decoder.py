@@ -83,8 +83,13 @@ class SpecDecoder:
         planner = self.planner
         requests, prefill = self.scheduler.next_load()
         pinned = [r.sampling.seed is not None and not r.sampling.greedy for r in todo]
-        if planner is not None and not any(pinned) and planner.forced_plain(requests):
-            # The safety net's plain step: nothing else to decide.
+        if (
+            planner is not None
+            and not any(pinned)
+            and (planner.forced_plain(requests) or planner.holds_plain(requests, prefill))
+        ):
+            # The safety net's plain step, or the costs' choice held: nothing
+            # else to decide.
             for req in todo:
                 req.accept_rates = planner.drift(req.accept_rates)
             return

@@ -17,7 +17,19 @@ def choose_drafts(
     margin: float = 0.0,
     join_seconds: Sequence[float] | None = None,
 ) -> list[int]:
-    """Drafts to verify per request, maximising expected tokens per second.
+    """``rated_drafts``'s lengths."""
+    return rated_drafts(survival, steps, drafts, margin, join_seconds)[0]
+
+
+def rated_drafts(
+    survival: Sequence[Sequence[float]],
+    steps: Sequence[float],
+    drafts: Sequence[float] | None = None,
+    margin: float = 0.0,
+    join_seconds: Sequence[float] | None = None,
+) -> tuple[list[int], float]:
+    """Drafts to verify per request, maximising expected tokens per second,
+    and the best choice with drafts' worth over the plain step's.
 
     ``survival[i][j - 1]``: S_ij, non-increasing in j. ``steps[b]``: the
     step with b drafts in all (its other tokens, every anchor and any
@@ -38,11 +50,14 @@ def choose_drafts(
     # Every draft, ranked: by S descending, then j, then i (a request's first
     # draft ranks before its others, so it is where the request joins).
     ranked = sorted((-x, j, i) for i, row in enumerate(survival) for j, x in enumerate(row, 1))
-    plain = r / max(steps[0], 1e-12) * (1.0 + margin)
+    plain_rate = r / max(steps[0], 1e-12)
+    plain = plain_rate * (1.0 + margin)
+    best_seen = 0.0  # the best rate with drafts, over every choice tried
 
     def best(out: set[int]) -> tuple[list[int], float]:
         """The best top-B of the drafts of requests not in ``out`` (an exact
         scan over every B) and its worth: the plain step's if none beats it."""
+        nonlocal best_seen
         tokens, drafting, joined, b, top, top_b = float(r), 0, 0.0, 0, -1.0, 0
         for neg_s, j, i in ranked:
             if i in out:
@@ -56,6 +71,7 @@ def choose_drafts(
             if rate > top:
                 top, top_b = rate, b
         chosen = [0] * r
+        best_seen = max(best_seen, top)
         if top <= plain:
             return chosen, plain
         for _, j, i in (d for d in ranked if d[2] not in out):
@@ -72,7 +88,7 @@ def choose_drafts(
         trial, trial_rate = best(out | {i})
         if trial_rate > rate:
             lengths, rate, out = trial, trial_rate, out | {i}
-    return lengths
+    return lengths, best_seen / max(plain_rate, 1e-12)
 
 
 def survival_of(rates: Sequence[float]) -> list[float]:

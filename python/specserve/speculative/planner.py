@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from specserve.speculative.cost_model import ALPHA, CostModel, Ewma
-from specserve.speculative.draft_choice import choose_drafts, survival_of, survivals
+from specserve.speculative.draft_choice import choose_drafts, rated_drafts, survival_of, survivals
 from specserve.speculative.safety_net import PLAIN, SafetyNet
 from specserve.speculative.step_costs import CostTable, StepCosts, profile_step_costs
 
@@ -65,6 +65,14 @@ DRIFT = 0.05
 # try again some time. (At DRIFT, a few dozen plain steps under load made
 # every draft look likely and started rounds that lost.)
 PRIOR_DRIFT = 0.02
+# A plain choice the costs made by a wide margin holds for the next steps
+# at the same load, one step per HOLD_PER_STEP of the margin (the best
+# choice with drafts at 0.9 of plain's worth: 5 steps), HOLD_MAX at most:
+# the estimates move a few percent per step at most, and deciding afresh
+# cost a 32-request step 5% of its time (a few hundred drafts ranked and
+# scanned, in Python, several times over).
+HOLD_PER_STEP = 0.02
+HOLD_MAX = 16
 # A request's context to catch up is paid once for this many rounds at
 # most (fewer if it has fewer left): the regime may turn plain after a
 # block of steps, and the next catch-up is paid again.
@@ -172,6 +180,8 @@ class SpecPlanner:
         self.committed = _Mean(NET_ROUNDS)
         self.predicted = _Mean(NET_ROUNDS)
         self._credit = 0.0  # the step's rounds: credited tokens less committed
+        # A plain choice held: its load (requests, other tokens), steps left.
+        self._hold: tuple[tuple[int, int], int] | None = None
         self.stats = PlannerStats()
 
     # ---- estimates -------------------------------------------------------------------
@@ -294,10 +304,29 @@ class SpecPlanner:
                 self.cost.catch_up_seconds(p) / min(max(n / (1 + sum(s)), 1.0), CATCH_UP_ROUNDS)
                 for p, s, n in zip(pending, survival, left)
             ]
-        lengths = choose_drafts(survival, curve, draft, MARGIN, join)
+        lengths, worth = rated_drafts(survival, curve, draft, MARGIN, join)
         if any(limits) and not any(lengths):  # the costs chose plain: the estimates recover
-            self.rates = [r + PRIOR_DRIFT * (self.prior - r) for r in self.rates]
+            self._recover()
+            held = min(int((1.0 - worth) / HOLD_PER_STEP), HOLD_MAX)
+            self._hold = ((requests, extra), held) if held > 0 else None
         return lengths
+
+    def _recover(self) -> None:
+        """A step the costs made plain: the engine-wide rates move toward the prior."""
+        self.rates = [r + PRIOR_DRIFT * (self.prior - r) for r in self.rates]
+
+    def holds_plain(self, requests: int, extra: int) -> bool:
+        """Whether the costs' last plain choice holds for the next step (its
+        load the same: ``requests`` running, ``extra`` tokens besides their
+        anchors, as ``before_draft`` takes them; see HOLD_PER_STEP), which
+        is then plain as if decided afresh."""
+        hold = self._hold
+        if hold is None or hold[0] != (requests, extra):
+            self._hold = None
+            return False
+        self._hold = (hold[0], hold[1] - 1) if hold[1] > 1 else None
+        self._recover()
+        return True
 
     def after_draft(
         self, survival: Sequence[Sequence[float]], requests: int, fixed_tokens: int
