@@ -253,23 +253,32 @@ def main() -> int:
         with open(args.output_json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
     if args.plot:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        def draw(ax: Any) -> None:
+            for name in names:
+                pts = [(r["clients"], r["tok_s"]) for r in rows if r["config"] == name]
+                ax.plot(*zip(*pts), marker="o", label=name)
 
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for name in names:
-            pts = [(r["clients"], r["tok_s"]) for r in rows if r["config"] == name]
-            ax.plot(*zip(*pts), marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent clients")
-        ax.set_ylabel("output tokens/s")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
+        plot_against_clients(draw, "concurrent clients", "output tokens/s", args.plot)
     return 0
+
+
+def plot_against_clients(draw: Any, xlabel: str, ylabel: str, path: str) -> None:
+    """A figure of ``draw(ax)``'s lines against a log2 axis of clients."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    draw(ax)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -209,27 +209,20 @@ def main() -> int:
 def plot(rows: list[dict], names: list[str], path: str) -> None:
     """Each configuration's tok/s over plain's against clients, its windows'
     quartiles as error bars."""
-    import matplotlib
+    from bench_spec_load import plot_against_clients
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def draw(ax: Any) -> None:
+        clients = [r["clients"] for r in rows]
+        for n in names:
+            mid = [r[n]["vs_plain"] for r in rows]
+            lo = [m - r[n]["quartiles"][0] for m, r in zip(mid, rows)]
+            hi = [r[n]["quartiles"][1] - m for m, r in zip(mid, rows)]
+            ax.errorbar(clients, mid, yerr=[lo, hi], marker="o", capsize=3, label=n)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(0.98, color="grey", linewidth=0.8, linestyle="--")
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    clients = [r["clients"] for r in rows]
-    for n in names:
-        mid = [r[n]["vs_plain"] for r in rows]
-        lo = [m - r[n]["quartiles"][0] for m, r in zip(mid, rows)]
-        hi = [r[n]["quartiles"][1] - m for m, r in zip(mid, rows)]
-        ax.errorbar(clients, mid, yerr=[lo, hi], marker="o", capsize=3, label=n)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.axhline(0.98, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("requests in flight")
-    ax.set_ylabel("tok/s over plain's (engines in lockstep)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    ylabel = "tok/s over plain's (engines in lockstep)"
+    plot_against_clients(draw, "requests in flight", ylabel, path)
 
 
 def format_row(row: dict, names: list[str]) -> str:
