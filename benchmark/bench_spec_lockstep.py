@@ -4,18 +4,19 @@ One process holds a plain engine and one engine per configuration, each
 with C requests in flight (closed loop: a finished request is replaced
 by the next held-out prompt at once; greedy, natural stops, each prompt's
 ``max_tokens`` spread over half to all of ``--output-len``: see
-``spread_lengths``). The engines take one step each in turn, the order rotated
-every round, so that they share the machine's state within a few
-milliseconds of each other: on a 2-core machine whose speed drifts by
+``spread_lengths``). The engines take one step each in turn, the order
+rotated every round, so that they share the machine's state within a
+few milliseconds of each other: on a 2-core machine whose speed drifts by
 10-30% over seconds, the pair ratios of ``bench_spec_load.py``'s
 seconds-long waves spread as wide as the effects measured, and these do
 not. Each engine's tok/s is its committed tokens over its own steps'
 time (the drafting for its next step included); a window is ``--window``
 rounds, and its ratio is the engine's tok/s over plain's in the same
 window. Reported per C and configuration: the median and quartiles of
-the windows' ratios, the share of decode steps that verified no drafts,
-and tau. ``plain-control``, a second plain engine, measures what is left
-of the engines' own bias (its ratio should be 1).
+the windows' ratios, the share of decode steps that verified no drafts
+(and the share the safety net made plain), and tau. ``plain-control``,
+a second plain engine, measures what is left of the engines' own bias
+(its ratio should be 1).
 
 No HTTP: what it measures is the engine (scheduler, forwards, drafting,
 the cost model's decisions); ``bench_spec_load.py`` measures the server.

@@ -305,10 +305,12 @@ class SpecPlanner:
                 for p, s, n in zip(pending, survival, left)
             ]
         lengths, worth = rated_drafts(survival, curve, draft, MARGIN, join)
+        self._hold = None
         if any(limits) and not any(lengths):  # the costs chose plain: the estimates recover
             self._recover()
             held = min(int((1.0 - worth) / HOLD_PER_STEP), HOLD_MAX)
-            self._hold = ((requests, extra), held) if held > 0 else None
+            if held > 0:
+                self._hold = ((requests, extra), held)
         return lengths
 
     def _recover(self) -> None:
