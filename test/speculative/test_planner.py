@@ -5,6 +5,7 @@ the costs: test_cost_model, test_step_costs.)"""
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -221,9 +222,10 @@ GROWING = [EXPLORE_MIN << k for k in range(0, (EXPLORE_MAX // EXPLORE_MIN).bit_l
 
 def test_the_net_turns_a_losing_bucket_plain_and_explores_it_by_its_loss() -> None:
     """The model (a flat table: drafts look free) speculates; measured,
-    speculation delivers half of plain's goodput. The bucket is plain once its opening has measured FIRST_PAIRS ratios,
-    and the model's blocks grow rarer as they keep
-    losing: the wait grows fourfold per block measured, up to EXPLORE_MAX."""
+    speculation delivers half of plain's goodput. The bucket is plain once
+    its opening has measured FIRST_PAIRS ratios, and the model's blocks grow
+    rarer as they keep losing: the wait grows fourfold per block measured,
+    up to EXPLORE_MAX."""
     planner = flat_planner()
     steps = OPENING_STEPS + BLOCK_STEPS * (sum(GROWING) + 2 * len(GROWING) + EXPLORE_MAX + 1)
     lengths: list[int] = []
@@ -433,7 +435,6 @@ def test_estimates_before_drafting_predict_what_rounds_commit_after_the_cut() ->
     positions 2-4 are measured on the confident rounds alone and promise
     20% more tokens than the rounds commit; a cut draft counted as a miss,
     the estimate matches."""
-    import random
 
     def run(cut_counts: bool) -> tuple[float, float]:
         """The mean over rounds of the tokens predicted before each (past a

@@ -44,10 +44,9 @@ class SpecDecoder:
         # The cost model choosing verify lengths; None: the proposer's own.
         self.planner = planner
         self.stats = SpecStats()  # request-rounds, over the engine's life
-        # Of drafts still to verify: their confidences (None: no head) and
-        # the tokens the planner expects of their round.
-        # By request: the round's confidences, predicted tokens and drafts
-        # before the planner's cut (``SpecPlanner.observe_round``).
+        # Of drafts still to verify, by request: their confidences (None: no
+        # head), the tokens the planner expects of their round and the drafts
+        # before its cut (``SpecPlanner.observe_round``).
         self._rounds: dict[str, tuple[list[float] | None, float, int]] = {}
         self._draft_seconds = 0.0  # drafting for the coming step
         self._drafted = False  # whether the drafter ran for the coming step
