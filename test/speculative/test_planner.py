@@ -209,8 +209,8 @@ def waits(spoke: list[bool], explored: bool) -> list[int]:
 
 
 # A bucket's first blocks: the model's and plain's probes in turn, until its
-# first verdict (FIRST_PAIRS ratios).
-OPENING = [k % 2 == 0 for k in range(FIRST_PAIRS + 1)]
+# first verdict (FIRST_PAIRS of the model's blocks measured).
+OPENING = [k % 2 == 0 for k in range(2 * FIRST_PAIRS - 1)]
 OPEN = len(OPENING)
 # Its steps (each switch settles first).
 OPENING_STEPS = sum(BLOCK_STEPS if s else PROBE_STEPS for s in OPENING) + SETTLE_STEPS * (OPEN - 1)
@@ -274,17 +274,35 @@ def test_a_losing_models_wait_counts_its_blocks_time() -> None:
     assert waits(spoke[OPEN:], True)[: len(expected)] == expected
 
 
+def test_an_exploration_that_finds_the_loser_ahead_brings_the_next_one_soon() -> None:
+    """The model lost (half plain's goodput) until its waits reached
+    EXPLORE_MAX; then the text turns easy and it runs 1.5x plain. The
+    first exploration to find it ahead brings the next at EXPLORE_MIN (not
+    at a fourfold longer wait), and so on until its new blocks outvote the
+    old ones in the median: the bucket is the model's again."""
+    planner = flat_planner()
+    losing = run_blocks(planner, OPENING_STEPS + BLOCK_STEPS * 30, spec=(4, 2.0), plain=(4, 1.0))
+    assert waits(losing[OPEN:], True) == GROWING[:2]  # and the next armed at GROWING[2]
+    spoke = run_blocks(planner, BLOCK_STEPS * 120, spec=(6, 1.0), plain=(4, 1.0))
+    found = waits(spoke, True)
+    assert found[0] > EXPLORE_MIN  # the wait armed while it lost
+    assert found[1:4] == [EXPLORE_MIN] * 3
+    assert planner.net.nets[load_bucket(4)].winner() == "model"
+    assert spoke[-16:].count(True) >= 14  # plain in probes only
+
+
 def test_one_slow_block_does_not_condemn_a_regime_for_long() -> None:
-    """Plain's first probe was slow (a stall): it weighs in two of the
-    opening's ratios, so the model leads, but plain is measured again
-    within EXPLORE_MIN blocks, and its real goodput wins."""
+    """Plain's first probe was slow (a stall): it is the reference of the
+    opening's first two model blocks, so the model leads, but its later
+    blocks outvote them within EXPLORE_MIN blocks, and plain's real
+    goodput wins."""
     planner = flat_planner()
     spoke = run_blocks(planner, BLOCK_STEPS, spec=(4, 1.0), plain=(4, 1.0))
     spoke += run_blocks(planner, PROBE_STEPS, spec=(4, 1.0), plain=(4, 10.0))
     spoke += run_blocks(planner, BLOCK_STEPS * 40, spec=(4, 1.2), plain=(4, 1.0))
     assert spoke[:OPEN] == OPENING
-    assert spoke[OPEN : OPEN + EXPLORE_MIN + 1] == [True] * EXPLORE_MIN + [False]  # again soon
-    # Plain's real goodput wins the bucket: the stall is one block of its last few.
+    assert False in spoke[OPEN : OPEN + EXPLORE_MIN + 1]  # plain again soon
+    # Plain's real goodput wins the bucket: the stalled probe is one of its last few.
     assert planner.net.nets[load_bucket(4)].winner() == "plain"
     assert spoke[-20:].count(False) >= 19
 
@@ -321,7 +339,8 @@ def test_a_new_load_bucket_starts_from_its_neighbours_verdict() -> None:
     heavier = run_blocks(planner, BLOCK_STEPS * 5, spec=(16, 2.0), plain=(16, 1.0), requests=16)
     assert heavier == [False] * EXPLORE_MIN + [True]
     probes = OPENING.count(False) * (PROBE_STEPS + SETTLE_STEPS)
-    assert planner.stats.forced_plain == probes + BLOCK_STEPS * EXPLORE_MIN
+    # (the first plain block settles after the opening's last, the model's)
+    assert planner.stats.forced_plain == probes + SETTLE_STEPS + BLOCK_STEPS * EXPLORE_MIN
     lighter = run_blocks(planner, BLOCK_STEPS * 2, spec=(1, 2.0), plain=(1, 1.0), requests=1)
     assert lighter[:2] == [True, False]  # plain won above: no verdict for a lighter load
 

@@ -7,6 +7,7 @@ import pytest
 
 from specserve.speculative.safety_net import (
     BLOCK_STEPS,
+    NET_RECENT,
     PROBE_STEPS,
     SETTLE_STEPS,
     BucketNet,
@@ -22,10 +23,41 @@ def test_plain_probes_count_by_their_median_within_a_blocks_steps() -> None:
     net = BucketNet()
     for goodput in (1.0, 1.0, 0.1):  # the last probe stalled
         net.add("plain", goodput, PROBE_STEPS, PROBE_STEPS / goodput)
-    net.add("model", 2.0, BLOCK_STEPS, BLOCK_STEPS / 2.0)
-    assert net.ratios == [pytest.approx(2.0)]
+    assert net.plain_goodput() == pytest.approx(1.0)
     net.add("plain", 0.5, BLOCK_STEPS, BLOCK_STEPS / 0.5)
-    assert net.ratios[-1] == pytest.approx(4.0)
+    assert net.plain_goodput() == pytest.approx(0.5)
+
+
+def test_a_models_block_is_measured_against_plain_around_it() -> None:
+    """The machine speeds up from plain's goodput 1 to 2 while the model runs
+    1.5 times plain: each of the model's blocks between two probes (not
+    only the one next to a probe) is measured against the mean of the two,
+    which it lies between in time, so drift cancels (by the probe before
+    alone: 2.25; by the one after: 1.125)."""
+    net = BucketNet()
+    net.add("plain", 1.0, PROBE_STEPS, PROBE_STEPS / 1.0)
+    for _ in range(3):
+        net.add("model", 2.25, BLOCK_STEPS, BLOCK_STEPS / 2.25)
+    assert net.ratios == [pytest.approx(2.25)] * 3  # until plain is measured after them
+    net.add("plain", 2.0, BLOCK_STEPS, BLOCK_STEPS / 2.0)
+    assert net.ratios == [pytest.approx(1.5)] * 3
+    net.add("model", 3.0, BLOCK_STEPS, BLOCK_STEPS / 3.0)  # after the last plain block
+    assert net.ratios[-1] == pytest.approx(1.5) and net.lead == pytest.approx(1.5)
+
+
+def test_the_models_blocks_decide_by_the_median_of_their_latest() -> None:
+    """A stalled block, or one of hard text, is one vote of NET_RECENT: the
+    lead is the median of the model's latest blocks' ratios, and a block
+    older than those no longer counts."""
+    net = BucketNet()
+    net.add("plain", 1.0, BLOCK_STEPS, float(BLOCK_STEPS))
+    for goodput in [0.1, 0.2] + [1.4] * (NET_RECENT - 2):
+        net.add("model", goodput, BLOCK_STEPS, BLOCK_STEPS / goodput)
+    assert net.lead == pytest.approx(1.4) and net.winner() == "model"
+    for _ in range(NET_RECENT // 2 + 1):
+        net.add("model", 0.9, BLOCK_STEPS, BLOCK_STEPS / 0.9)
+    assert net.lead == pytest.approx(0.9) and net.winner() == "plain"
+    assert len(net.ratios) == NET_RECENT
 
 
 def test_the_steps_a_switch_costs_are_measured_by_neither_regime() -> None:

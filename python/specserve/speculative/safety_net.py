@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 # look like a loss where it pays (such blocks measure plain less the
 # planner's time, and a bucket given to plain runs the easy text that
 # follows plain too, until the model's next block). A model's block with
-# fewer than PROBE_STEPS measured steps says nothing. Two adjacent blocks
-# of the two regimes give a ratio; the median of a bucket's last
+# fewer than PROBE_STEPS measured steps says nothing. Each of the model's
+# blocks gives a ratio, its goodput over plain's measured around it (the
+# plain blocks before and after it); the median of a bucket's last
 # NET_RECENT ratios decides. The model keeps a bucket only while it leads
 # by NET_MARGIN (a tie goes plain: speculation must not cost throughput).
 # The loser runs one block every `wait` blocks, `wait` set so that
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 # the steps), 60 if three times (a model block at a high load), within
 # [EXPLORE_MIN, EXPLORE_MAX] and growing at most fourfold per exploration.
 # The model runs the first block, plain the second, and so on until
-# FIRST_PAIRS ratios are measured, unless a neighbouring bucket's verdict
+# FIRST_PAIRS of the model's blocks are measured, unless a neighbouring bucket's verdict
 # holds here (``SafetyNet._neighbours_lead``).
 # A block that follows one of the other regime first runs SETTLE_STEPS
 # steps it does not measure: the switch's cost belongs to neither regime's
@@ -51,13 +52,21 @@ SETTLE_STEPS = 1
 # plain blocks were 3 of a wave's first 16 blocks: about 10% of a 1.4x
 # lead). The model's blocks stay whole: its goodput goes with the text.
 PROBE_STEPS = 4
-NET_RECENT = 5
-# A bucket's first verdict waits for this many ratios (the model's blocks
-# and plain's probes alternating until then; a neighbour's verdict stands
-# in as one vote): one pair's ratio scatters by a third on a busy 2-core
-# machine, and a first verdict against the leader held for blocks (a
-# sweep's 1-client DSPARK server, its model ahead, stepped plain 76% of
-# the time).
+# The model's blocks whose ratios decide: a stretch of hard text (one
+# request's, at one or two requests) must not outvote the text around it.
+# (At one request a block's ratio scattered over 1.1-2.3 around a lead
+# of 1.5 with the text, on a quiet machine; a hard request's blocks ran
+# 0.7-0.9. Counted only next to a probe, the last 5 ratios' median fell
+# below the margin now and then: a 1-request DSPARK engine was plain in
+# 38% of its steps, 1.17x plain where its fixed length ran 1.41x. Every
+# block counted, by the median of the last 7 the net still made 23% of
+# 2,300 steps plain; of the last 15, 6%.)
+NET_RECENT = 15
+# A bucket's first verdict waits for this many of the model's blocks (the
+# model's blocks and plain's probes alternating until then; a neighbour's
+# verdict stands in as one vote): a first verdict against the leader held
+# for blocks (a sweep's 1-client DSPARK server, its model ahead, stepped
+# plain 76% of the time).
 FIRST_PAIRS = 3
 NET_MARGIN = 0.05
 EXPLORE_LOSS = 0.01
@@ -74,55 +83,97 @@ MODEL, PLAIN = "model", "plain"
 
 
 @dataclass
+class ModelBlock:
+    """A model's block measured: its goodput, and plain's measured nearest it
+    in time, before and after (None: not yet)."""
+
+    goodput: float
+    before: float | None
+    after: float | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        """Its goodput over plain's around it (the mean of the two sides: the
+        machine's drift between them cancels to first order)."""
+        sides = [p for p in (self.before, self.after) if p is not None]
+        return self.goodput / max(sum(sides) / len(sides), 1e-12) if sides else None
+
+
+@dataclass
 class BucketNet:
     """One load bucket's measurements and which regime its next block runs.
 
-    Each time a block follows one of the other regime, the two, adjacent in
-    time, give a ratio of the model's goodput to plain's; the bucket keeps
-    its last NET_RECENT ratios and goes by their median. Adjacent blocks
-    share the machine's state, which drifts by more than the differences
-    judged (another process, a slower clock: 10-25% over minutes on a
-    shared 2-core machine), and a median ignores one stalled block."""
+    Each of the model's blocks is measured against plain's goodput around it
+    in time (its latest probes before the block and after it): the bucket
+    keeps its last NET_RECENT model blocks and goes by the median of their
+    ratios. Plain around each block shares the machine's state, which
+    drifts by more than the differences judged (another process, a slower
+    clock: 10-25% over minutes on a shared 2-core machine), every model
+    block counts (not only those next to a probe: the text makes one
+    block's goodput scatter by a factor of two at one request), and a
+    median ignores a stalled block."""
 
-    ratios: list[float] = field(default_factory=list)  # model / plain, adjacent blocks
-    # A neighbouring bucket's lead, standing in until the first pair here.
+    blocks: list[ModelBlock] = field(default_factory=list)  # the model's latest
+    # A neighbouring bucket's lead, standing in until measured here.
     prior: float | None = None
-    pairs: int = 0
-    last: tuple[str, float] | None = None  # the bucket's last block: regime, goodput
+    explored: int = 0  # the loser's blocks since the verdict
+    last: str | None = None  # the regime of the bucket's last block
     countdown: int | None = None  # the winner's blocks before the loser's next one
     plain: list[tuple[float, int]] = field(default_factory=list)  # latest: goodput, steps
     # Each regime's seconds per measured step, in its latest block.
     step_seconds: dict[str, float] = field(default_factory=dict)
 
     def add(self, regime: str, goodput: float, steps: int, seconds: float) -> None:
-        """A block's goodput over its ``steps`` (``seconds`` in all). Plain's
-        counts as the median of its latest blocks within a whole block's
-        steps: a probe is a few steps, each as noisy as a step on a busy
-        machine, and one stalled probe is outvoted."""
+        """A block's goodput over its ``steps`` (``seconds`` in all)."""
         self.step_seconds[regime] = seconds / max(steps, 1)
+        verdict = self.winner() if self.measured else None
         if regime == PLAIN:
             self.plain = [*self.plain[1 - BLOCK_STEPS // PROBE_STEPS :], (goodput, steps)]
-            recent, total = [], 0
-            for g, n in reversed(self.plain):
-                recent.append(g)
-                total += n
-                if total >= BLOCK_STEPS:
+            around = self.plain_goodput()
+            for block in reversed(self.blocks):  # those since plain's last block
+                if block.after is not None:
                     break
-            goodput = statistics.median_high(recent)  # an even split: the higher
-        if self.last is not None and self.last[0] != regime:
-            other = self.last[1]
-            model, plain = (goodput, other) if regime == MODEL else (other, goodput)
-            self.ratios = [*self.ratios[1 - NET_RECENT :], model / max(plain, 1e-12)]
-            self.pairs += 1
-        self.last = (regime, goodput)
+                block.after = around
+        else:
+            before = self.plain_goodput() if self.plain else None
+            self.blocks = [*self.blocks[1 - NET_RECENT :], ModelBlock(goodput, before)]
+        self.last = regime
+        # The loser's block said the verdict is wrong (a model's block ahead
+        # by the margin where plain won; a probe that puts the model's last
+        # block behind where the model won): the next exploration comes at
+        # the shortest wait, not a longer one. (At one request, hard text
+        # gave plain the bucket; the model's next explorations ran 1.6-2x
+        # plain, but the waits grew fourfold each and the text's blocks
+        # outvoted them in the median for hundreds of steps.)
+        newest = self.blocks[-1].ratio if self.blocks else None
+        contradicts = newest is not None and (newest > 1 + NET_MARGIN) == (verdict == PLAIN)
+        if verdict is not None and regime != verdict and contradicts:
+            self.explored = 0
+
+    def plain_goodput(self) -> float:
+        """Plain's goodput now: the median of its latest blocks within a whole
+        block's steps (a probe is a few steps, each as noisy as a step on a
+        busy machine, and one stalled probe is outvoted)."""
+        recent, total = [], 0
+        for g, n in reversed(self.plain):
+            recent.append(g)
+            total += n
+            if total >= BLOCK_STEPS:
+                break
+        return statistics.median_high(recent)  # an even split: the higher
+
+    @property
+    def ratios(self) -> list[float]:
+        """The model's latest blocks' goodput over plain's around them."""
+        return [r for r in (b.ratio for b in self.blocks) if r is not None]
 
     @property
     def lead(self) -> float:
         """The model's goodput over plain's: the median of the recent ratios,
         the prior one of them while they are fewer than FIRST_PAIRS (before
         any: the prior, else 1)."""
-        votes = list(self.ratios)
-        if not self.measured and self.prior is not None:
+        votes = self.ratios
+        if len(votes) < FIRST_PAIRS and self.prior is not None:
             votes.append(self.prior)
         return statistics.median(votes) if votes else 1.0
 
@@ -132,23 +183,25 @@ class BucketNet:
     def next_regime(self) -> str:
         """The regime of the bucket's next block."""
         if not self.judged:  # the model first, then plain beside it
-            return PLAIN if self.last is not None and self.last[0] == MODEL else MODEL
+            return PLAIN if self.last == MODEL else MODEL
         leader = self.winner()
         if self.countdown is None:  # armed from the gap as measured now
             lead = self.lead
             gap = max(lead, 1 / max(lead, 1e-12)) - 1
-            # A long wait needs several pairs: it grows at most fourfold per
-            # exploration (one slow block must not condemn a regime for long;
-            # the median of a few pairs outvotes it). At a high load, twofold
-            # explored a losing model for a fifth of a 32-client wave's time.
-            explored = max(self.pairs - FIRST_PAIRS + 1, 0)  # pairs since the verdict
-            known = EXPLORE_MIN << 2 * (explored // 2)
+            # A long wait needs several explorations: it grows at most
+            # fourfold per exploration (one slow block must not condemn a
+            # regime for long; the median of a few blocks outvotes it). At a
+            # high load, twofold explored a losing model for a fifth of a
+            # 32-client wave's time.
+            known = EXPLORE_MIN << 2 * self.explored
             wait = min(round(gap * self._share(leader) / EXPLORE_LOSS), known, EXPLORE_MAX)
             self.countdown = max(wait, EXPLORE_MIN)
         if self.countdown > 0:
             self.countdown -= 1
             return leader
         self.countdown = None
+        if self.measured:  # (a neighbour's verdict is explored at the shortest wait)
+            self.explored += 1
         return PLAIN if leader == MODEL else MODEL
 
     def _share(self, leader: str) -> float:
