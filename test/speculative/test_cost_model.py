@@ -30,6 +30,18 @@ def test_the_online_correction_moves_a_wrong_table_toward_measured_times() -> No
     assert model.step_seconds(4, 4) == pytest.approx(0.010, rel=0.05)
 
 
+def test_a_steps_seconds_are_its_curves_points() -> None:
+    """``step_seconds`` (a point) and ``step_curve`` (a run of tokens) price
+    a step alike, in every cell and past the table's ends, corrected or not."""
+    model = CostModel(CostTable([1, 8, 64], [1, 4, 8], [[1, 2, 3], [2, 5, 9], [9, 30, 70]]))
+    for requests, tokens, seconds in [(4, 4, 3.0), (4, 20, 1.0), (32, 40, 50.0)]:
+        model.observe_step(requests, tokens, seconds, learn=True)
+    for requests in (1, 3, 4, 8, 32, 100):
+        curve = model.step_curve(requests, requests, 12 * requests)
+        points = [model.step_seconds(requests, requests + k) for k in range(12 * requests)]
+        assert points == pytest.approx(curve)
+
+
 def test_one_slow_step_moves_the_correction_by_a_factor_not_to_itself() -> None:
     """A first launch or a stall 20x the table must not make the cell look
     20x dearer (which once kept a batch-1 engine plain for hundreds of

@@ -84,7 +84,9 @@ class CostModel:
     # ---- the target's step -----------------------------------------------------------
 
     def step_seconds(self, requests: int, tokens: int) -> float:
-        return self.step_curve(requests, tokens, 1)[0]
+        """One point of ``step_curve`` (without its arrays: the planner asks
+        for points every step with prefill chunks)."""
+        return self.costs(requests, tokens) * self._factor(_cell(requests, tokens))
 
     def step_curve(self, requests: int, first: int, n: int) -> list[float]:
         """``step_seconds`` at ``first`` .. ``first + n - 1`` tokens."""
