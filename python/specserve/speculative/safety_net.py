@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 # loses by 20% waits 20 of the winner's blocks if its block takes as long
 # as one of them, 5 if a quarter of the time (a plain probe: a quarter of
 # the steps), 60 if three times (a model block at a high load), within
-# [EXPLORE_MIN, EXPLORE_MAX] and growing at most fourfold per exploration.
+# [EXPLORE_MIN, EXPLORE_MAX] and growing at most fourfold per exploration
+# (back to EXPLORE_MIN after one that contradicts the verdict).
 # The model runs the first block, plain the second, and so on until
-# FIRST_PAIRS of the model's blocks are measured, unless a neighbouring bucket's verdict
-# holds here (``SafetyNet._neighbours_lead``).
+# FIRST_PAIRS of the model's blocks are measured, unless a neighbouring
+# bucket's verdict holds here (``SafetyNet._neighbours_lead``).
 # A block that follows one of the other regime first runs SETTLE_STEPS
 # steps it does not measure: the switch's cost belongs to neither regime's
 # steady state. (At 8 requests the first plain step after drafted steps
@@ -116,7 +117,7 @@ class BucketNet:
     blocks: list[ModelBlock] = field(default_factory=list)  # the model's latest
     # A neighbouring bucket's lead, standing in until measured here.
     prior: float | None = None
-    explored: int = 0  # the loser's blocks since the verdict
+    explored: int = 0  # the loser's blocks since the verdict (or one contradicting it)
     last: str | None = None  # the regime of the bucket's last block
     countdown: int | None = None  # the winner's blocks before the loser's next one
     plain: list[tuple[float, int]] = field(default_factory=list)  # latest: goodput, steps
