@@ -31,15 +31,45 @@ def test_the_online_correction_moves_a_wrong_table_toward_measured_times() -> No
 
 
 def test_a_steps_seconds_are_its_curves_points() -> None:
-    """``step_seconds`` (a point) and ``step_curve`` (a run of tokens) price
-    a step alike, in every cell and past the table's ends, corrected or not."""
+    """``step_seconds`` (a point) and ``step_curve`` (a run of tokens, its
+    first plain, the others verifying) price a step alike, in every cell and
+    past the table's ends, corrected or not."""
     model = CostModel(CostTable([1, 8, 64], [1, 4, 8], [[1, 2, 3], [2, 5, 9], [9, 30, 70]]))
-    for requests, tokens, seconds in [(4, 4, 3.0), (4, 20, 1.0), (32, 40, 50.0)]:
-        model.observe_step(requests, tokens, seconds, learn=True)
+    for requests, tokens, seconds, verify in [
+        (4, 4, 3.0, False),
+        (4, 20, 1.0, True),
+        (4, 20, 4.0, False),
+        (32, 40, 50.0, True),
+    ]:
+        model.observe_step(requests, tokens, seconds, learn=True, verify=verify)
     for requests in (1, 3, 4, 8, 32, 100):
-        curve = model.step_curve(requests, requests, 12 * requests)
-        points = [model.step_seconds(requests, requests + k) for k in range(12 * requests)]
-        assert points == pytest.approx(curve)
+        for first in (requests, 2 * requests):
+            n = 12 * requests
+            curve = model.step_curve(requests, first, n)
+            points = [model.step_seconds(requests, first + k, verify=k > 0) for k in range(n)]
+            assert points == pytest.approx(curve)
+            verifying = model.step_curve(requests, first, n, verify=True)
+            points = [model.step_seconds(requests, first + k, verify=True) for k in range(n)]
+            assert points == pytest.approx(verifying)
+
+
+def test_a_verifying_step_is_corrected_apart_from_a_plain_one_of_its_tokens() -> None:
+    """The table times the forward alone; a verifying step pays per row
+    besides (every row's logits processed, verified, committed). A plain
+    step with a prefill chunk as long must not price it: measured at 16
+    requests, such steps outnumbered the verifying ones four to one and
+    priced them 20% cheap."""
+    model = flat_costs(0.010)
+    for k in range(200):  # four chunked steps per verifying one, in one cell
+        verify = k % 5 == 0
+        model.observe_step(16, 72, 0.017 if verify else 0.013, learn=True, verify=verify)
+    assert model.step_seconds(16, 72, verify=True) == pytest.approx(0.017, rel=0.02)
+    assert model.step_seconds(16, 72) == pytest.approx(0.013, rel=0.02)
+    # The curve prices its plain first token as plain, every draft as verifying.
+    curve = model.step_curve(16, 72, 2)
+    assert curve == pytest.approx([0.013, 0.017], rel=0.02)
+    # A verifying cell never measured takes its row's verifying correction.
+    assert model.step_seconds(16, 16 * 8, verify=True) == pytest.approx(0.017, rel=0.02)
 
 
 def test_one_slow_step_moves_the_correction_by_a_factor_not_to_itself() -> None:

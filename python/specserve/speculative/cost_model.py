@@ -3,7 +3,10 @@ profiled tables (``step_costs.py``) corrected online by what steps measure.
 
 The step's cost is the target table's, corrected per cell by an EWMA of
 log(measured / table) (a cell never measured: its row's, else the whole
-table's). The drafter's round is its profiled table's, corrected the same
+table's), a verifying step's apart from a plain one's: the table times the
+forward alone, and a step that verifies pays per row besides (every row's
+logits processed, the chains verified and committed, their features handed
+to the drafter). The drafter's round is its profiled table's, corrected the same
 way per requests bucket, or without a profile measured online and priced
 by a power law where it was not.
 """
@@ -70,9 +73,13 @@ class CostModel:
         # whole table's: a table wrong by one factor (profiled while another
         # process ran) is right again as soon as any step is measured, the
         # verify cells a plain engine never runs included. A cell's first
-        # measurement starts from that.
-        self.correction: dict[tuple[int, int], Ewma] = {}
-        self.row_correction: dict[int, Ewma] = {}
+        # measurement starts from that. Cells and rows are a verifying
+        # step's or a plain one's (``_cell``): at 16 requests a verifying
+        # step of about 70 tokens took 17 ms and a plain one with a prefill
+        # chunk as long 14 ms, and the chunks' steps, four in five of those
+        # measured in the cell, priced the verify at theirs.
+        self.correction: dict[tuple[bool, int, int], Ewma] = {}
+        self.row_correction: dict[tuple[bool, int], Ewma] = {}
         self.table_correction = Ewma(value=0.0)
         # By drafting-requests bucket: log(measured / profiled) with a
         # profile (as the step's cells; a bucket never measured takes the
@@ -83,30 +90,35 @@ class CostModel:
 
     # ---- the target's step -----------------------------------------------------------
 
-    def step_seconds(self, requests: int, tokens: int) -> float:
+    def step_seconds(self, requests: int, tokens: int, verify: bool = False) -> float:
         """One point of ``step_curve`` (without its arrays: the planner asks
-        for points every step with prefill chunks)."""
-        return self.costs(requests, tokens) * self._factor(_cell(requests, tokens))
+        for points every step with prefill chunks); ``verify``: the step
+        verifies drafts."""
+        return self.costs(requests, tokens) * self._factor(_cell(requests, tokens, verify))
 
-    def step_curve(self, requests: int, first: int, n: int) -> list[float]:
-        """``step_seconds`` at ``first`` .. ``first + n - 1`` tokens."""
+    def step_curve(self, requests: int, first: int, n: int, verify: bool = False) -> list[float]:
+        """``step_seconds`` at ``first`` .. ``first + n - 1`` tokens, the
+        first token's plain and the others' verifying (all of them with
+        ``verify``: chains verified whatever the choice)."""
         out = self.costs.curve(requests, first, n)
         r = max(requests, 1)
         k = 0
         while k < n:  # one cell per run of tokens per request in one bucket
             tokens_bucket = bucket(max(first + k, 1) // r)
-            end = min(n, (1 << (tokens_bucket + 1)) * r - first)
-            f = self._factor((bucket(r), tokens_bucket))
+            end = 1 if k == 0 else min(n, (1 << (tokens_bucket + 1)) * r - first)
+            f = self._factor((verify or k > 0, bucket(r), tokens_bucket))
             if f != 1.0:
                 out[k:end] = [t * f for t in out[k:end]]
             k = max(end, k + 1)
         return out
 
-    def observe_step(self, requests: int, tokens: int, seconds: float, learn: bool) -> float:
+    def observe_step(
+        self, requests: int, tokens: int, seconds: float, learn: bool, verify: bool = False
+    ) -> float:
         """A step measured at ``seconds``; returns what was predicted of it.
         ``learn``: correct the table by it (without, a saved table decides
-        alone, run after run alike)."""
-        cell = _cell(requests, tokens)
+        alone, run after run alike); ``verify``: it verified drafts."""
+        cell = _cell(requests, tokens, verify)
         raw = self.costs(requests, tokens)
         predicted = raw * self._factor(cell)
         if learn:
@@ -114,21 +126,21 @@ class CostModel:
             fix = self.correction.get(cell)
             if fix is None:
                 fix = self.correction[cell] = Ewma(value=self._correction_of(cell).value)
-            row = self.row_correction.get(cell[0])
+            row = self.row_correction.get(cell[:2])
             if row is None:
-                row = self.row_correction[cell[0]] = Ewma(value=self.table_correction.value)
+                row = self.row_correction[cell[:2]] = Ewma(value=self.table_correction.value)
             for each in (fix, row, self.table_correction):
                 each.add_log(x)
         return predicted
 
-    def _factor(self, cell: tuple[int, int]) -> float:
+    def _factor(self, cell: tuple[bool, int, int]) -> float:
         """The measured / table factor of a cell (1 before any measurement)."""
         fix = self._correction_of(cell)
         return math.exp(fix.value) if fix.value else 1.0
 
-    def _correction_of(self, cell: tuple[int, int]) -> Ewma:
+    def _correction_of(self, cell: tuple[bool, int, int]) -> Ewma:
         """A cell's correction, or what stands in for it (see ``reset``)."""
-        fix = self.correction.get(cell) or self.row_correction.get(cell[0])
+        fix = self.correction.get(cell) or self.row_correction.get(cell[:2])
         return fix or self.table_correction
 
     # ---- the drafter's round ---------------------------------------------------------
@@ -231,5 +243,7 @@ class CostModel:
         return out
 
 
-def _cell(requests: int, tokens: int) -> tuple[int, int]:
-    return bucket(requests), bucket(max(tokens, 1) // max(requests, 1))
+def _cell(requests: int, tokens: int, verify: bool) -> tuple[bool, int, int]:
+    """A correction's cell: whether the step verifies, its requests bucket
+    (with the first, its row) and its tokens per request bucket."""
+    return verify, bucket(requests), bucket(max(tokens, 1) // max(requests, 1))

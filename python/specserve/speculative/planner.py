@@ -295,7 +295,7 @@ class SpecPlanner:
             return [0] * len(owns)
         survival = survivals([self.estimates(o) for o in owns], limits)
         fixed = len(owns) + extra
-        curve = self.cost.step_curve(requests, fixed, sum(limits) + 1)
+        curve = self.cost.step_curve(requests, fixed, sum(limits) + 1, verify=drafting > 0)
         draft = self.cost.draft_curve(drafting, len(owns))
         join = None
         if pending is not None:
@@ -391,14 +391,18 @@ class SpecPlanner:
         work, not a regime's, and a probe of a few steps with a chunk or
         without measured plain at half or whole speed."""
         # Without the gate the saved table decides alone, run after run alike.
-        self.stats.predicted_seconds += self.cost.observe_step(requests, tokens, seconds, self.gate)
+        verify = drafts > 0
+        self.stats.predicted_seconds += self.cost.observe_step(
+            requests, tokens, seconds, self.gate, verify
+        )
         self.stats.measured_seconds += seconds
         credit, self._credit = self._credit, 0.0
         if math.isfinite(seconds) and decoding:
             drafted = drafts > 0 if drafted is None else drafted
             if decode_tokens is not None and decode_tokens < tokens:
-                whole = self.cost.step_seconds(requests, tokens)
-                seconds *= min(self.cost.step_seconds(decoding, decode_tokens) / whole, 1.0)
+                whole = self.cost.step_seconds(requests, tokens, verify)
+                part = self.cost.step_seconds(decoding, decode_tokens, verify)
+                seconds *= min(part / whole, 1.0)
             self.net.observe(generated + credit, seconds + draft_seconds, drafted)
         if not decoding:
             return
