@@ -351,17 +351,30 @@ def test_a_new_load_bucket_starts_from_its_neighbours_verdict() -> None:
     assert lighter[: EXPLORE_MIN + 1] == [True] * EXPLORE_MIN + [False]  # then a probe
 
 
-def test_a_models_block_measures_every_step_it_decides() -> None:
-    """A model's block measures its decoding steps, those beside prefill
-    chunks and those it made plain itself included (not a step that only
-    prefills): they are what the engine delivers under its decisions."""
+def test_a_models_block_measures_the_steps_it_drafts_for() -> None:
+    """A model's block measures its steps that drafted, those beside
+    prefill chunks included, not a step that only prefills: the steps the
+    model makes plain itself (hard text) are plain steps. Where it drafted
+    for fewer than PROBE_STEPS of them, it measures them all."""
     planner = flat_planner()
     assert planner.regime(4) == "model"
     planner.observe_step(4, 64, 0, 0, 4, 3.0, 0.0)  # prefill alone: nobody decodes
     planner.observe_step(4, 40, 4, 16, 12, 1.0, 2.0)  # a round beside a chunk, drafting charged
-    planner.observe_step(4, 4, 4, 0, 4, 1.0, 0.1)  # the model's plain step, its decision charged
+    planner.observe_step(4, 4, 4, 0, 4, 1.0, 0.1, drafted=False)  # the model's plain step
     block = planner.net.block
-    assert (block.steps, block.measured, block.tokens, block.seconds) == (2, 2, 16, 4.1)
+    assert block.steps == 2
+    assert (block.drafted.steps, block.drafted.tokens, block.drafted.seconds) == (1, 12, 3.0)
+    assert (block.every.steps, block.every.tokens, block.every.seconds) == (2, 16, 4.1)
+
+    planner = flat_planner()
+    for k in range(BLOCK_STEPS):  # drafting in a quarter of its steps: those measured
+        assert planner.regime(4) == "model"
+        if k % 4:
+            planner.observe_step(4, 4, 4, 0, 4, 1.0, 0.0, drafted=False)
+        else:
+            planner.observe_step(4, 20, 4, 16, 12, 2.0, 0.0)
+    assert planner.regime(4) == "plain"  # a probe beside it
+    assert planner.net.nets[load_bucket(4)].blocks[-1].goodput == pytest.approx(6.0)
 
 
 def test_a_model_that_keeps_choosing_plain_is_judged_and_the_nets_plain_takes_over() -> None:
@@ -395,10 +408,10 @@ def test_the_net_measures_a_steps_decoding_not_its_prefill_chunks() -> None:
     planner.observe_step(5, 40, 4, 4, 8, 10.0, 0.5, decode_tokens=8)
     share = planner.cost.step_seconds(4, 8) / planner.cost.step_seconds(5, 40)
     assert 0.1 < share < 0.3
-    block = planner.net.block
-    assert block.tokens == 8 and block.seconds == pytest.approx(10.0 * share + 0.5)
+    tally = planner.net.block.drafted
+    assert tally.tokens == 8 and tally.seconds == pytest.approx(10.0 * share + 0.5)
     planner.observe_step(4, 8, 4, 4, 8, 1.0, 0.5, decode_tokens=8)  # decoding alone: all of it
-    assert block.seconds == pytest.approx(10.0 * share + 2.0)
+    assert tally.seconds == pytest.approx(10.0 * share + 2.0)
 
 
 def test_the_net_credits_a_round_its_prediction_scaled_by_what_rounds_committed() -> None:
@@ -419,12 +432,12 @@ def test_the_net_credits_a_round_its_prediction_scaled_by_what_rounds_committed(
         planner.observe_step(1, 5, 1, 4, accepted + 1, 1.0, 0.0)  # no block yet
     for predicted, accepted in ((2.0, 4), (4.0, 0)):  # easy text under a low estimate, and back
         assert planner.regime(1) == "model"
-        before = planner.net.block.tokens
+        before = planner.net.block.drafted.tokens
         planner.observe_round(None, 4, accepted, None, predicted)
         planner.observe_step(1, 5, 1, 4, accepted + 1, 1.0, 0.0)
         rounds.append((predicted, accepted))
         scale = sum(a + 1 for _, a in rounds) / sum(p for p, _ in rounds)
-        assert planner.net.block.tokens - before == pytest.approx(predicted * scale)
+        assert planner.net.block.drafted.tokens - before == pytest.approx(predicted * scale)
 
 
 def test_reset_forgets_what_was_learnt_but_keeps_the_table() -> None:

@@ -68,12 +68,12 @@ def test_the_steps_a_switch_costs_are_measured_by_neither_regime() -> None:
     net = SafetyNet()
     for _ in range(BLOCK_STEPS):
         assert net.regime(4) == "model"
-        net.observe(8.0, 1.0)
+        net.observe(8.0, 1.0, drafted=True)
     for seconds in [5.0] * SETTLE_STEPS + [1.0] * PROBE_STEPS:
         assert net.regime(4) == "plain"
-        net.observe(4.0, seconds)
+        net.observe(4.0, seconds, drafted=False)
     for seconds in [5.0] * SETTLE_STEPS + [1.0] * BLOCK_STEPS:
         assert net.regime(4) == "model"  # it leads
-        net.observe(8.0, seconds)
+        net.observe(8.0, seconds, drafted=True)
     net.regime(4)
     assert net.nets[load_bucket(4)].ratios == [pytest.approx(2.0), pytest.approx(2.0)]

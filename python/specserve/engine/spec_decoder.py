@@ -49,6 +49,7 @@ class SpecDecoder:
         # before its cut (``SpecPlanner.observe_round``).
         self._rounds: dict[str, tuple[list[float] | None, float, int]] = {}
         self._draft_seconds = 0.0  # drafting for the coming step
+        self._drafted = False  # whether the drafter ran for the coming step
         self._generated = 0  # tokens the step in progress committed to decoding requests
 
     def propose(self, reqs: Sequence[Req]) -> None:
@@ -64,6 +65,7 @@ class SpecDecoder:
         drafts a round verifies changes which random numbers pick its
         tokens, so the load must not decide it."""
         start = time.perf_counter()
+        self._drafted = False
         try:
             self._propose(reqs)
         finally:
@@ -114,6 +116,7 @@ class SpecDecoder:
         if not picked:
             return
         drafting = [todo[k] for k in picked]
+        self._drafted = True
         start = time.perf_counter()
         proposal = self.proposer.propose(drafting, [limits[k] for k in picked])
         lengths = self.proposer.verify_lengths(proposal)  # a user's threshold
@@ -163,6 +166,7 @@ class SpecDecoder:
             generated=generated,
             seconds=seconds,
             draft_seconds=self._draft_seconds,
+            drafted=self._drafted,
             decode_tokens=sum(n for n, s in zip(fed, batch.steps) if s.decoding),
         )
 

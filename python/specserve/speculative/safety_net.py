@@ -17,21 +17,24 @@ from dataclasses import dataclass, field
 # each block's goodput the tokens its measured steps generated for
 # decoding requests over their seconds (drafting included; of a step with
 # prefill chunks, the decoding's share: ``SpecPlanner.observe_step``).
-# A step is measured if it decoded; in a model's block, the steps the
-# model made plain itself as well: they are what the engine delivers under
-# its decisions, and where the model keeps choosing plain, its blocks must
-# still say whether the net's plain steps do better. (Counted only where
-# the model drafted, so that hard text's plain steps would not make
-# speculation look like a loss where it pays, a 16-request DSPARK engine
-# that chose plain in 98% of its steps never had three blocks measured in
-# 1,100 steps, and ran 0.958x plain, where its net's plain steps ran
-# 0.985x. The median of NET_RECENT blocks outvotes a stretch of hard
-# text.) A block with fewer than PROBE_STEPS measured steps says nothing.
-# Each of the model's
-# blocks gives a ratio, its goodput over plain's measured around it (the
-# plain blocks before and after it); the median of a bucket's last
-# NET_RECENT ratios decides. The model keeps a bucket only while it leads
-# by NET_MARGIN (a tie goes plain: speculation must not cost throughput).
+# A step is measured if it decoded, and in a model's block, if the model
+# drafted for it: the steps the model itself makes plain are plain steps,
+# and hard text, where it makes most of them, must not make speculation
+# look like a loss where it pays (nor the steps after the net's plain
+# ones, where catching the drafter up is dear). (Counting every step, at
+# two requests the net made 24-28% of a DSPARK or DFLASH engine's steps
+# plain, against 7-9% so.) But where the model drafted for fewer than
+# PROBE_STEPS of a block's steps, the block measures all of them: the
+# model keeps choosing plain (a high load), and its blocks must still say
+# whether the net's plain steps, without its decisions, do better.
+# (Saying nothing, at 16 requests from a fresh start, the net made 1% of
+# a DFLASH engine's steps plain, which ran 0.946x plain; measured, 94%,
+# 0.988x.) A block with fewer than PROBE_STEPS steps measured either way
+# says nothing. Each of the model's blocks gives a ratio, its goodput over
+# plain's measured around it (the plain blocks before and after it); the
+# median of a bucket's last NET_RECENT ratios decides. The model keeps a
+# bucket only while it leads by NET_MARGIN (a tie goes plain: speculation
+# must not cost throughput).
 # The loser runs one block every `wait` blocks, `wait` set so that
 # exploring costs about EXPLORE_LOSS of the winner's goodput: a loser that
 # loses by 20% waits 20 of the winner's blocks if its block takes as long
@@ -238,6 +241,20 @@ class BucketNet:
 
 
 @dataclass
+class Tally:
+    """Steps measured: their tokens (rounds at their credit) and seconds."""
+
+    steps: int = 0
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.seconds += seconds
+
+
+@dataclass
 class Block:
     """The steps in a row that one regime decides, and what they measured."""
 
@@ -246,9 +263,14 @@ class Block:
     length: int  # its steps in all
     settle: int = 0  # its first steps, not measured (SETTLE_STEPS)
     steps: int = 0
-    measured: int = 0  # of which measured (see BLOCK_STEPS)
-    tokens: float = 0.0  # of the measured steps, rounds at their credit
-    seconds: float = 0.0
+    drafted: Tally = field(default_factory=Tally)  # plain's steps, or the model's drafted
+    every: Tally = field(default_factory=Tally)  # every step after the settling
+
+    def measured(self) -> Tally | None:
+        """What the block measured (see BLOCK_STEPS); None: too little."""
+        if self.drafted.steps >= PROBE_STEPS:
+            return self.drafted
+        return self.every if self.every.steps >= PROBE_STEPS else None
 
 
 class SafetyNet:
@@ -263,9 +285,10 @@ class SafetyNet:
         progress's regime, or a new block's, its bucket's choice."""
         block = self.block
         if block is None or block.steps >= block.length:
-            if block is not None and block.measured >= PROBE_STEPS:
-                goodput = block.tokens / max(block.seconds, 1e-12)
-                block.net.add(block.regime, goodput, block.measured, block.seconds)
+            tally = block.measured() if block is not None else None
+            if tally is not None:
+                goodput = tally.tokens / max(tally.seconds, 1e-12)
+                block.net.add(block.regime, goodput, tally.steps, tally.seconds)
             b = load_bucket(requests)
             net = self.nets.get(b)
             if net is None:
@@ -288,17 +311,18 @@ class SafetyNet:
             return self.nets[higher[0]].lead
         return None
 
-    def observe(self, tokens: float, seconds: float) -> None:
+    def observe(self, tokens: float, seconds: float, drafted: bool) -> None:
         """A decoding step of the block in progress: its tokens (each verify
         round at its credit) and seconds (its drafting and decisions
-        included). The regime's cost is all of it but the switch's (a
-        block's settling steps) and the prefill chunks' beside (the planner
-        passes the decoding's share)."""
+        included); ``drafted``: whether the drafter ran for it. The regime's
+        cost is all of it but the switch's (a block's settling steps) and
+        the prefill chunks' beside (the planner passes the decoding's
+        share)."""
         block = self.block
         if block is None:
             return
         block.steps += 1
         if block.steps > block.settle:
-            block.measured += 1
-            block.tokens += tokens
-            block.seconds += seconds
+            block.every.add(tokens, seconds)
+            if drafted or block.regime == PLAIN:
+                block.drafted.add(tokens, seconds)
