@@ -406,7 +406,8 @@ def test_the_net_measures_a_steps_decoding_not_its_prefill_chunks() -> None:
     assert planner.regime(5) == "model"
     # 4 requests verifying a draft each beside a 32-token chunk, 10 s.
     planner.observe_step(5, 40, 4, 4, 8, 10.0, 0.5, decode_tokens=8)
-    share = planner.cost.step_seconds(4, 8) / planner.cost.step_seconds(5, 40)
+    cost = planner.cost
+    share = cost.step_seconds(4, 8, verify=True) / cost.step_seconds(5, 40, verify=True)
     assert 0.1 < share < 0.3
     tally = planner.net.block.drafted
     assert tally.tokens == 8 and tally.seconds == pytest.approx(10.0 * share + 0.5)
