@@ -398,7 +398,7 @@ class SpecPlanner:
         self.stats.measured_seconds += seconds
         credit, self._credit = self._credit, 0.0
         if math.isfinite(seconds) and decoding:
-            drafted = drafts > 0 if drafted is None else drafted
+            drafted = verify if drafted is None else drafted
             if decode_tokens is not None and decode_tokens < tokens:
                 whole = self.cost.step_seconds(requests, tokens, verify)
                 part = self.cost.step_seconds(decoding, decode_tokens, verify)
