@@ -22,6 +22,7 @@ from specserve.speculative.safety_net import (
     EXPLORE_MAX,
     EXPLORE_MIN,
     FIRST_PAIRS,
+    NET_WINDOW,
     PROBE_STEPS,
     SETTLE_STEPS,
     SafetyNet,
@@ -275,18 +276,21 @@ def test_a_losing_models_wait_counts_its_blocks_time() -> None:
 
 
 def test_an_exploration_that_finds_the_loser_ahead_brings_the_next_one_soon() -> None:
-    """The model lost (half plain's goodput) until its waits reached
-    EXPLORE_MAX; then the text turns easy and it runs 1.5x plain. The
-    first exploration to find it ahead brings the next at EXPLORE_MIN (not
-    at a fourfold longer wait), and so on until its new blocks outvote the
-    old ones in the median: the bucket is the model's again."""
+    """The model lost (half plain's goodput) until its waits grew; then the
+    text turns easy and it runs 1.5x plain. The first exploration to find
+    it ahead brings the next at EXPLORE_MIN (not at a fourfold longer
+    wait), and the new blocks outvote the old ones in the median as soon
+    as they are FIRST_PAIRS - 1 of the latest FIRST_PAIRS (the old ones
+    are past NET_WINDOW steps): the bucket is the model's again."""
     planner = flat_planner()
     losing = run_blocks(planner, OPENING_STEPS + BLOCK_STEPS * 30, spec=(4, 2.0), plain=(4, 1.0))
     assert waits(losing[OPEN:], True) == GROWING[:2]  # and the next armed at GROWING[2]
+    assert GROWING[2] * BLOCK_STEPS > NET_WINDOW
     spoke = run_blocks(planner, BLOCK_STEPS * 120, spec=(6, 1.0), plain=(4, 1.0))
     found = waits(spoke, True)
     assert found[0] > EXPLORE_MIN  # the wait armed while it lost
-    assert found[1:4] == [EXPLORE_MIN] * 3
+    assert found[1] == EXPLORE_MIN
+    assert FIRST_PAIRS == 3 and found[2] == 0  # the model's again, block after block
     assert planner.net.nets[load_bucket(4)].winner() == "model"
     assert spoke[-16:].count(True) >= 14  # plain in probes only
 

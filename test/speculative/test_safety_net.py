@@ -7,7 +7,9 @@ import pytest
 
 from specserve.speculative.safety_net import (
     BLOCK_STEPS,
+    FIRST_PAIRS,
     NET_RECENT,
+    NET_WINDOW,
     PROBE_STEPS,
     SETTLE_STEPS,
     BucketNet,
@@ -26,6 +28,23 @@ def test_plain_probes_count_by_their_median_within_a_blocks_steps() -> None:
     assert net.plain_goodput() == pytest.approx(1.0)
     net.add("plain", 0.5, BLOCK_STEPS, BLOCK_STEPS / 0.5)
     assert net.plain_goodput() == pytest.approx(0.5)
+
+
+def test_plain_probes_far_apart_count_the_latest() -> None:
+    """Probes a model that leads by far runs rarely: the reference is the
+    latest probes within NET_WINDOW steps, the latest one always, so that
+    probes stalled by a burst long ago do not stand for plain now."""
+    net = BucketNet()
+    for _ in range(3):  # stalled probes
+        net.steps += PROBE_STEPS
+        net.add("plain", 0.1, PROBE_STEPS, PROBE_STEPS / 0.1)
+    net.steps += NET_WINDOW
+    net.add("model", 1.0, BLOCK_STEPS, BLOCK_STEPS / 1.0)
+    assert net.ratios == [pytest.approx(10.0)]  # against the stalled ones
+    net.steps += PROBE_STEPS
+    net.add("plain", 1.0, PROBE_STEPS, PROBE_STEPS / 1.0)  # a probe on a quiet machine
+    assert net.plain_goodput() == pytest.approx(1.0)
+    assert net.ratios == [pytest.approx(1 / 0.55)]  # the mean of the two sides
 
 
 def test_a_models_block_is_measured_against_plain_around_it() -> None:
@@ -58,6 +77,37 @@ def test_the_models_blocks_decide_by_the_median_of_their_latest() -> None:
         net.add("model", 0.9, BLOCK_STEPS, BLOCK_STEPS / 0.9)
     assert net.lead == pytest.approx(0.9) and net.winner() == "plain"
     assert len(net.ratios) == NET_RECENT
+
+
+def test_the_models_blocks_that_count_are_those_of_the_buckets_latest_steps() -> None:
+    """While plain holds a bucket the model's blocks are a few explorations
+    in many steps: the blocks that gave plain the bucket count only while
+    they are within its last NET_WINDOW steps, the latest FIRST_PAIRS of
+    all always (at one request, hard text's blocks outvoted the
+    explorations after it for 530 steps)."""
+    net = BucketNet()
+
+    def block(regime: str, goodput: float, steps: int = BLOCK_STEPS) -> None:
+        net.steps += steps  # as the SafetyNet counts a bucket's blocks
+        net.add(regime, goodput, steps, steps / goodput)
+
+    block("plain", 1.0)
+    for _ in range(NET_RECENT):  # hard text: the model loses
+        block("model", 0.8)
+    assert net.winner() == "plain" and len(net.ratios) == NET_RECENT
+    wait = NET_WINDOW // BLOCK_STEPS // 2  # plain's blocks between explorations
+    for _ in range(wait):
+        block("plain", 1.0)
+    block("model", 1.5)  # an exploration on easy text
+    hard = (NET_WINDOW - (wait + 1) * BLOCK_STEPS) // BLOCK_STEPS  # still in the window
+    assert net.ratios == [pytest.approx(0.8)] * hard + [pytest.approx(1.5)]
+    assert net.winner() == "plain"
+    for _ in range(wait):
+        block("plain", 1.0)
+    block("model", 1.5)  # the hard blocks are past the window: the latest FIRST_PAIRS count
+    assert FIRST_PAIRS == 3
+    assert net.ratios == [pytest.approx(r) for r in (0.8, 1.5, 1.5)]
+    assert net.winner() == "model"
 
 
 def test_the_steps_a_switch_costs_are_measured_by_neither_regime() -> None:

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 # 0.988x.) A block with fewer than PROBE_STEPS steps measured either way
 # says nothing. Each of the model's blocks gives a ratio, its goodput over
 # plain's measured around it (the plain blocks before and after it); the
-# median of a bucket's last NET_RECENT ratios decides. The model keeps a
+# median of a bucket's last NET_RECENT ratios decides (of those, the ones
+# within its last NET_WINDOW steps). The model keeps a
 # bucket only while it leads by NET_MARGIN (a tie goes plain: speculation
 # must not cost throughput).
 # The loser runs one block every `wait` blocks, `wait` set so that
@@ -70,6 +71,16 @@ PROBE_STEPS = 4
 # block counted, by the median of the last 7 the net still made 23% of
 # 2,300 steps plain; of the last 15, 6%.)
 NET_RECENT = 15
+# ... and of those, the ones that ended within the bucket's last NET_WINDOW
+# steps (about what NET_RECENT of them span while the model leads), the
+# latest FIRST_PAIRS always: while plain holds a bucket the model's blocks
+# are explorations, a few in as many steps, and the hard text that gave
+# plain the bucket must not outvote them for the NET_RECENT blocks it took
+# to turn the verdict. (At one request, DFLASH engines whose text turned
+# hard for a stretch stayed plain for 530 steps after it, 8 explorations
+# later: 1.05-1.21x plain where the same engines without the net ran
+# 1.24-1.26x.)
+NET_WINDOW = 256
 # A bucket's first verdict waits for this many of the model's blocks (the
 # model's blocks and plain's probes alternating until then; a neighbour's
 # verdict stands in as one vote): a first verdict against the leader held
@@ -97,6 +108,7 @@ class ModelBlock:
 
     goodput: float
     before: float | None
+    at: int = 0  # the bucket's steps when it ended
     after: float | None = None
 
     @property
@@ -113,8 +125,8 @@ class BucketNet:
 
     Each of the model's blocks is measured against plain's goodput around it
     in time (its latest probes before the block and after it): the bucket
-    keeps its last NET_RECENT model blocks and goes by the median of their
-    ratios. Plain around each block shares the machine's state, which
+    keeps its last NET_RECENT model blocks and goes by the median of the
+    recent ones' ratios. Plain around each block shares the machine's state, which
     drifts by more than the differences judged (another process, a slower
     clock: 10-25% over minutes on a shared 2-core machine), every model
     block counts (not only those next to a probe: the text makes one
@@ -127,7 +139,9 @@ class BucketNet:
     explored: int = 0  # the loser's blocks since the verdict (or one contradicting it)
     last: str | None = None  # the regime of the bucket's last block
     countdown: int | None = None  # the winner's blocks before the loser's next one
-    plain: list[tuple[float, int]] = field(default_factory=list)  # latest: goodput, steps
+    # Plain's latest blocks: goodput, steps, the bucket's steps when it ended.
+    plain: list[tuple[float, int, int]] = field(default_factory=list)
+    steps: int = 0  # the bucket's steps so far (its blocks', measured or not)
     # Each regime's seconds per measured step, in its latest block.
     step_seconds: dict[str, float] = field(default_factory=dict)
 
@@ -136,7 +150,8 @@ class BucketNet:
         self.step_seconds[regime] = seconds / max(steps, 1)
         verdict = self.winner() if self.measured else None
         if regime == PLAIN:
-            self.plain = [*self.plain[1 - BLOCK_STEPS // PROBE_STEPS :], (goodput, steps)]
+            latest = (goodput, steps, self.steps)
+            self.plain = [*self.plain[1 - BLOCK_STEPS // PROBE_STEPS :], latest]
             around = self.plain_goodput()
             for block in reversed(self.blocks):  # those since plain's last block
                 if block.after is not None:
@@ -144,7 +159,8 @@ class BucketNet:
                 block.after = around
         else:
             before = self.plain_goodput() if self.plain else None
-            self.blocks = [*self.blocks[1 - NET_RECENT :], ModelBlock(goodput, before)]
+            block = ModelBlock(goodput, before, self.steps)
+            self.blocks = [*self.blocks[1 - NET_RECENT :], block]
         self.last = regime
         # The loser's block said the verdict is wrong (a model's block ahead
         # by the margin where plain won; a probe that puts the model's last
@@ -161,9 +177,15 @@ class BucketNet:
     def plain_goodput(self) -> float:
         """Plain's goodput now: the median of its latest blocks within a whole
         block's steps (a probe is a few steps, each as noisy as a step on a
-        busy machine, and one stalled probe is outvoted)."""
+        busy machine, and one stalled probe is outvoted), of those within
+        the last NET_WINDOW steps (the latest always): probes far apart
+        measured another machine. (Probes stalled by another process's
+        burst, then rare behind a model that seemed to lead by 4-10x, were
+        the reference of its blocks for 400 steps.)"""
         recent, total = [], 0
-        for g, n in reversed(self.plain):
+        for g, n, at in reversed(self.plain):
+            if recent and self.steps - at >= NET_WINDOW:
+                break
             recent.append(g)
             total += n
             if total >= BLOCK_STEPS:
@@ -172,8 +194,13 @@ class BucketNet:
 
     @property
     def ratios(self) -> list[float]:
-        """The model's latest blocks' goodput over plain's around them."""
-        return [r for r in (b.ratio for b in self.blocks) if r is not None]
+        """The model's latest blocks' goodput over plain's around them: those
+        within the last NET_WINDOW steps, the latest FIRST_PAIRS at least."""
+        rated = [(b.at, r) for b in self.blocks if (r := b.ratio) is not None]
+        recent = [r for at, r in rated if self.steps - at < NET_WINDOW]
+        if len(recent) >= FIRST_PAIRS:
+            return recent
+        return [r for _, r in rated[-FIRST_PAIRS:]]
 
     @property
     def lead(self) -> float:
@@ -286,6 +313,8 @@ class SafetyNet:
         block = self.block
         if block is None or block.steps >= block.length:
             tally = block.measured() if block is not None else None
+            if block is not None:
+                block.net.steps += block.steps
             if tally is not None:
                 goodput = tally.tokens / max(tally.seconds, 1e-12)
                 block.net.add(block.regime, goodput, tally.steps, tally.seconds)
