@@ -52,6 +52,18 @@ def test_a_mixed_batch_gives_drafts_to_the_confident_first() -> None:
     assert lengths[0] > 0 and lengths[1] == 0
 
 
+def test_a_request_whose_drafts_are_found_drafts_where_the_drafter_is_dear() -> None:
+    """Prompt lookup found the first request's drafts: it joins without the
+    drafter's forward (nor its context to catch up), so it verifies them
+    where the drafter's cost makes a drafting request plain."""
+    survival = [survival_of([0.9] * 4)] * 2
+    steps = [1.0] * 9  # verifying is free
+    drafts = [0.0, 10.0, 20.0]  # the drafter, for 0 / 1 / 2 requests
+    assert choose_listed(survival, steps, drafts) == [0, 0]
+    assert choose_listed(survival, steps, drafts, free=[True, False]) == [4, 0]
+    assert choose_listed(survival, steps, drafts, 0.0, [5.0, 0.0], [True, False]) == [4, 0]
+
+
 def goodput(survival, lengths, step, fixed, draft) -> float:
     expected = len(survival) + sum(sum(s[:k]) for s, k in zip(survival, lengths))
     seconds = step(fixed + sum(lengths))

@@ -130,7 +130,7 @@ def test_ngram_first_lookup_supplies_accepted_drafts(plain, drafter) -> None:
         speculative_ngram_first=True,
         speculative_ngram_min_match=2,
     )
-    found = record_proposals(eng.proposer.lookup)
+    found = record_proposals(eng.proposer.prompt_lookup)
     recorder = verified_run(eng, plain)
     accepted = recorder.accepted(plain)
     by_lookup = drafter_rounds = 0

@@ -82,20 +82,24 @@ class SpecDecoder:
         planner = self.planner
         requests, prefill = self.scheduler.next_load()
         pinned = [r.sampling.seed is not None and not r.sampling.greedy for r in todo]
-        if (
-            planner is not None
-            and not any(pinned)
-            and (planner.forced_plain(requests) or planner.holds_plain(requests, prefill))
-        ):
-            # The safety net's plain step, or the costs' choice held: nothing
-            # else to decide.
-            for req in todo:
-                req.accept_rates = planner.drift(req.accept_rates)
-            return
         limits = [self.scheduler.max_drafts(r) for r in todo]
+        found = None  # who the proposer drafts for without its network
+        if planner is not None and not any(pinned):
+            # The safety net's plain step, or the costs' choice held (where no
+            # draft is found for free): nothing else to decide.
+            plain = planner.forced_plain(requests)
+            if not plain:
+                found = self.proposer.lookup(todo, limits)
+                plain = not any(found or ()) and planner.holds_plain(requests, prefill)
+            if plain:
+                for req in todo:
+                    req.accept_rates = planner.drift(req.accept_rates)
+                return
         pending = [self.proposer.pending_rows(r) for r in todo]
         chosen = limits
         if planner is not None:
+            if found is None:
+                found = self.proposer.lookup(todo, limits)
             free = [k for k, p in enumerate(pinned) if not p]
             extra = prefill + sum(limits[k] + 1 for k, p in enumerate(pinned) if p)
             picks = planner.before_draft(
@@ -106,6 +110,7 @@ class SpecDecoder:
                 drafting=len(todo) - len(free),
                 pending=[pending[k] for k in free],
                 remaining=[todo[k].sampling.max_new_tokens - len(todo[k].output_ids) for k in free],
+                free=None if found is None else [found[k] for k in free],
             )
             chosen = list(limits)
             for k, n in zip(free, picks):
@@ -148,9 +153,12 @@ class SpecDecoder:
                 self._rounds[req.rid] = (c, predicted, drafted)
             elif drafted:  # cut to none: a plain step
                 req.accept_rates = planner.observe_cut(req.accept_rates)
-        if planner is not None:  # a catch-up priced per row (with a profile)
-            rows = sum(max(pending[k] - STEADY_ROWS, 0) for k in picked)
-            planner.observe_draft(len(drafting), time.perf_counter() - start, rows)
+        # The drafter's round: the requests it ran for (a catch-up priced per
+        # row, with a profile); a round the lookup drafted alone is nearly free.
+        ran = [k for k in picked if found is None or not found[k]]
+        if planner is not None and ran:
+            rows = sum(max(pending[k] - STEADY_ROWS, 0) for k in ran)
+            planner.observe_draft(len(ran), time.perf_counter() - start, rows)
 
     def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
         """The step just run, measured: the planner's tables learn from it."""

@@ -49,6 +49,13 @@ class Proposer(ABC):
     def propose(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> DraftProposal:
         """Drafts for requests whose last token (the anchor) is not yet in the KV."""
 
+    def lookup(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> list[bool] | None:
+        """Before deciding who drafts: which of ``reqs`` this round's
+        ``propose`` drafts for without a drafter network's forward (found
+        now and kept for it), so that the decision prices them at nothing.
+        None: every request's round costs the same."""
+        return None
+
     def verify_lengths(self, proposal: DraftProposal) -> list[int]:
         """How many of each chain's drafts to verify (all of them by default)."""
         return [len(t) for t in proposal.tokens]

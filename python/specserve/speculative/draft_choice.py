@@ -16,9 +16,10 @@ def choose_drafts(
     drafts: Sequence[float] | None = None,
     margin: float = 0.0,
     join_seconds: Sequence[float] | None = None,
+    free: Sequence[bool] | None = None,
 ) -> list[int]:
     """``rated_drafts``'s lengths."""
-    return rated_drafts(survival, steps, drafts, margin, join_seconds)[0]
+    return rated_drafts(survival, steps, drafts, margin, join_seconds, free)[0]
 
 
 def rated_drafts(
@@ -27,6 +28,7 @@ def rated_drafts(
     drafts: Sequence[float] | None = None,
     margin: float = 0.0,
     join_seconds: Sequence[float] | None = None,
+    free: Sequence[bool] | None = None,
 ) -> tuple[list[int], float]:
     """Drafts to verify per request, maximising expected tokens per second,
     and the best choice with drafts' worth over the plain step's.
@@ -36,17 +38,24 @@ def rated_drafts(
     prefill, fixed). ``drafts[k]``: drafting for k requests (None: already
     paid); ``join_seconds[i]``: what request ``i`` adds to it besides (its
     context to catch up). A choice with drafts must beat the plain step by
-    ``margin`` (relative).
+    ``margin`` (relative). ``free[i]``: request ``i``'s drafts are found
+    already (prompt lookup), so it joins without the drafter (and without
+    its context to catch up).
 
     The global top-B ranks drafts by S alone, so a request dear to join
     either joins as soon as its first draft ranks or, left out, keeps the
     others from their later drafts: each of the dearest few is tried left
-    out of the ranking, and stays out where the step is worth more so.
+    out of the ranking, and stays out where the step is worth more so; so
+    is every request the drafter would run for, where drafts are found.
     (Plain Python: over the few dozen drafts of a step, numpy's per-call
     overhead cost more than the scan, several times over at one request.)"""
     r = len(survival)
     drafts = [0.0] * (r + 1) if drafts is None else drafts
-    join = [0.0] * r if join_seconds is None else join_seconds
+    join = [0.0] * r if join_seconds is None else list(join_seconds)
+    drafter = [True] * r if free is None else [not f for f in free]
+    for i, runs in enumerate(drafter):
+        if not runs:
+            join[i] = 0.0
     # Every draft, ranked: by S descending, then j, then i (a request's first
     # draft ranks before its others, so it is where the request joins).
     ranked = sorted((-x, j, i) for i, row in enumerate(survival) for j, x in enumerate(row, 1))
@@ -64,7 +73,7 @@ def rated_drafts(
                 continue
             b += 1
             tokens -= neg_s
-            if j == 1:
+            if j == 1 and drafter[i]:
                 drafting += 1
                 joined += join[i]
             rate = tokens / max(steps[b] + drafts[drafting] + joined, 1e-12)
@@ -83,6 +92,11 @@ def rated_drafts(
 
     out: set[int] = set()
     lengths, rate = best(out)
+    if not all(drafter):  # the drafts found alone, no drafter's forward
+        trial, trial_rate = best({i for i, runs in enumerate(drafter) if runs})
+        if trial_rate > rate:
+            lengths, rate = trial, trial_rate
+            out = {i for i, runs in enumerate(drafter) if runs}
     dearest = sorted((-x, i) for i, x in enumerate(join) if x > 0 and survival[i])
     for _, i in dearest[:MAX_LEFT_OUT]:
         trial, trial_rate = best(out | {i})

@@ -23,16 +23,31 @@ from specserve.speculative.ngram import NgramProposer
 
 
 class NgramFirstProposer(Proposer):
-    def __init__(self, lookup: NgramProposer, drafter: Proposer) -> None:
-        self.lookup = lookup
+    def __init__(self, prompt_lookup: NgramProposer, drafter: Proposer) -> None:
+        self.prompt_lookup = prompt_lookup
         self.drafter = drafter
         self.capture_layer_ids = drafter.capture_layer_ids
         self.max_drafts = drafter.max_drafts
         self.context_pages = drafter.context_pages
+        # The lookup's drafts found before the planner's decision, for this
+        # round's ``propose``: by (request, its tokens, the limit).
+        self._found: dict[tuple[str, int, int], list[int]] = {}
+
+    def lookup(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> list[bool]:
+        """A request the lookup finds drafts for runs no drafter this round."""
+        found = self.prompt_lookup.propose(reqs, max_lens)
+        self._found = {(r.rid, r.seq_len, n): t for r, t, n in zip(reqs, found.tokens, max_lens)}
+        return [bool(t) for t in found.tokens]
 
     def propose(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> DraftProposal:
-        found = self.lookup.propose(reqs, max_lens)
-        tokens, q = list(found.tokens), list(found.q)
+        kept, self._found = self._found, {}
+        keys = [(r.rid, r.seq_len, n) for r, n in zip(reqs, max_lens)]
+        if all(k in kept for k in keys):  # found before the decision
+            tokens = [kept[k] for k in keys]
+            q: list[torch.Tensor | None] = [None] * len(reqs)
+        else:
+            found = self.prompt_lookup.propose(reqs, max_lens)
+            tokens, q = list(found.tokens), list(found.q)
         rest = [i for i, t in enumerate(tokens) if not t]
         if not rest:
             return DraftProposal(tokens, q)
@@ -53,6 +68,7 @@ class NgramFirstProposer(Proposer):
         self.drafter.on_target_features(req, start, features)
 
     def release(self, req: Req) -> None:
+        self.prompt_lookup.release(req)
         self.drafter.release(req)
 
     def profile_round(self, n: int, prefix: int, pending: int = 2) -> Callable[[], None] | None:

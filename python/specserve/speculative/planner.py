@@ -277,6 +277,7 @@ class SpecPlanner:
         drafting: int = 0,
         pending: Sequence[int] | None = None,
         remaining: Sequence[int] | None = None,
+        free: Sequence[bool] | None = None,
     ) -> list[int]:
         """Drafts each decoding request will verify next step, before drafting.
 
@@ -288,7 +289,8 @@ class SpecPlanner:
         request's rows to take into the drafter's context first, a cost paid
         once for the rounds it has left (``remaining`` tokens at most, at
         its expected tokens per round; ``CATCH_UP_ROUNDS`` at most), and so
-        priced per round."""
+        priced per round; ``free``: each request's drafts are found already
+        (``Proposer.lookup``), so it drafts without the drafter's forward."""
         if not self.gate:
             return list(limits)
         if self.forced_plain(requests):
@@ -304,7 +306,7 @@ class SpecPlanner:
                 self.cost.catch_up_seconds(p) / min(max(n / (1 + sum(s)), 1.0), CATCH_UP_ROUNDS)
                 for p, s, n in zip(pending, survival, left)
             ]
-        lengths, worth = rated_drafts(survival, curve, draft, MARGIN, join)
+        lengths, worth = rated_drafts(survival, curve, draft, MARGIN, join, free)
         self._hold = None
         if any(limits) and not any(lengths):  # the costs chose plain: the estimates recover
             self._recover()
