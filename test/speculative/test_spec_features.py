@@ -143,6 +143,7 @@ def test_ngram_first_lookup_supplies_accepted_drafts(plain, drafter) -> None:
             drafter_rounds += 1
     assert drafter_rounds > 0, "the drafter never drafted"
     assert by_lookup >= 10, by_lookup  # the repeating prompt's lookups are mostly kept
+    assert not eng.proposer.prompt_lookup._indexes  # each went with its request
 
 
 def test_confidence_threshold_cuts_chains_at_the_first_low_confidence(plain, drafter) -> None:
