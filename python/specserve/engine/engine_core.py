@@ -381,9 +381,8 @@ class EngineCore:
                 before = len(req.output_ids)
                 self.output_processor.commit(step, run, scores)
                 if self.spec is not None:
-                    captured = c.fwd.captured
-                    features = None if captured is None else captured[first : first + fed]
-                    self.spec.finish(step, entry, features, len(req.output_ids) - before)
+                    committed = len(req.output_ids) - before
+                    self.spec.finish(step, entry, c.fwd.captured, first, committed)
             except Exception as e:
                 if is_fatal(e):
                     raise

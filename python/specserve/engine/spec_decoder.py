@@ -82,19 +82,22 @@ class SpecDecoder:
         planner = self.planner
         requests, prefill = self.scheduler.next_load()
         pinned = [r.sampling.seed is not None and not r.sampling.greedy for r in todo]
-        limits = [self.scheduler.max_drafts(r) for r in todo]
-        found = None  # who the proposer drafts for without its network
+        limits: list[int] | None = None
+        found = None  # whom the proposer drafts for without its network
         if planner is not None and not any(pinned):
             # The safety net's plain step, or the costs' choice held (where no
             # draft is found for free): nothing else to decide.
             plain = planner.forced_plain(requests)
             if not plain:
+                limits = [self.scheduler.max_drafts(r) for r in todo]
                 found = self.proposer.lookup(todo, limits)
                 plain = not any(found or ()) and planner.holds_plain(requests, prefill)
             if plain:
                 for req in todo:
                     req.accept_rates = planner.drift(req.accept_rates)
                 return
+        if limits is None:
+            limits = [self.scheduler.max_drafts(r) for r in todo]
         pending = [self.proposer.pending_rows(r) for r in todo]
         chosen = limits
         if planner is not None:
@@ -213,14 +216,16 @@ class SpecDecoder:
         self,
         step: ReqStep,
         entry: BatchEntry,
-        features: torch.Tensor | None,
+        captured: torch.Tensor | None,
+        first: int,
         committed: int,
     ) -> None:
         """After one request's commit: drops its rejected K/V, counts the round
         and hands the committed positions' features on.
 
-        ``features``: the captured features of the entry's tokens; ``committed``:
-        the tokens this step committed to the request."""
+        ``captured``: the step's captured features, the entry's tokens' from
+        row ``first``; ``committed``: the tokens this step committed to the
+        request."""
         req, fed = step.req, len(entry.token_ids)
         if step.decoding:  # (a prefill chunk's first token is the arrivals' work)
             self._generated += committed
@@ -238,5 +243,6 @@ class SpecDecoder:
             # drafts are now KV; the last committed token is the next anchor.
             fed = committed
             self.scheduler.trim(req, entry.prefix_len + fed)
-        if features is not None and not req.finished:
-            self.proposer.on_target_features(req, entry.prefix_len, features[:fed])
+        if captured is not None and not req.finished:
+            features = captured[first : first + fed]  # [fed, m * d]
+            self.proposer.on_target_features(req, entry.prefix_len, features)
