@@ -80,26 +80,37 @@ def test_the_models_blocks_decide_by_the_median_of_their_latest() -> None:
 
 
 def test_the_models_blocks_that_count_are_those_of_the_buckets_latest_steps() -> None:
-    """While plain holds a bucket the model's blocks are a few explorations
-    in many steps: the blocks that gave plain the bucket count only while
-    they are within its last NET_WINDOW steps, the latest FIRST_PAIRS of
-    all always (at one request, hard text's blocks outvoted the
-    explorations after it for 530 steps)."""
+    """The blocks the model ran as the winner count while they are within the
+    bucket's last NET_WINDOW steps; its explorations (run while plain held
+    the bucket) however old; the latest FIRST_PAIRS always. So once the hard
+    text that gave plain the bucket is that far behind, the explorations
+    decide (at one request, hard text's blocks outvoted the explorations
+    after it for 530 steps)."""
     net = BucketNet()
 
-    def block(regime: str, goodput: float, steps: int = BLOCK_STEPS) -> None:
-        net.steps += steps  # as the SafetyNet counts a bucket's blocks
-        net.add(regime, goodput, steps, steps / goodput)
+    def block(regime: str, goodput: float) -> None:
+        net.steps += BLOCK_STEPS  # as the SafetyNet counts a bucket's blocks
+        net.add(regime, goodput, BLOCK_STEPS, BLOCK_STEPS / goodput)
 
     block("plain", 1.0)
-    for _ in range(NET_RECENT):  # hard text: the model loses
+    for _ in range(NET_RECENT):  # easy text: the model leads
+        block("model", 1.5)
+    hard_from = net.steps
+    for _ in range(NET_RECENT // 2 + 1):  # hard text: the model loses the bucket
         block("model", 0.8)
-    assert net.winner() == "plain" and len(net.ratios) == NET_RECENT
+    assert net.winner() == "plain"
+    assert all(not b.explored for b in net.blocks)  # each ran as the winner
     wait = NET_WINDOW // BLOCK_STEPS // 2  # plain's blocks between explorations
     for _ in range(wait):
         block("plain", 1.0)
     block("model", 1.5)  # an exploration on easy text
-    hard = (NET_WINDOW - (wait + 1) * BLOCK_STEPS) // BLOCK_STEPS  # still in the window
+    assert net.blocks[-1].explored
+
+    def in_window(at: int) -> bool:
+        return net.steps - at < NET_WINDOW
+
+    hard = sum(in_window(hard_from + BLOCK_STEPS * (k + 1)) for k in range(NET_RECENT // 2 + 1))
+    assert 0 < hard < NET_RECENT // 2 + 1
     assert net.ratios == [pytest.approx(0.8)] * hard + [pytest.approx(1.5)]
     assert net.winner() == "plain"
     for _ in range(wait):
@@ -108,6 +119,23 @@ def test_the_models_blocks_that_count_are_those_of_the_buckets_latest_steps() ->
     assert FIRST_PAIRS == 3
     assert net.ratios == [pytest.approx(r) for r in (0.8, 1.5, 1.5)]
     assert net.winner() == "model"
+
+
+def test_explorations_count_however_old() -> None:
+    """Explorations are few and far apart: they count however long ago they
+    ran (the last NET_RECENT of the model's blocks), so that a losing
+    model's latest few do not take back a bucket by chance."""
+    net = BucketNet()
+    net.steps += BLOCK_STEPS
+    net.add("plain", 1.0, BLOCK_STEPS, float(BLOCK_STEPS))
+    for goodput in [0.8] * 5 + [1.2, 1.2]:
+        net.steps += NET_WINDOW  # plain's blocks between
+        net.add("plain", 1.0, BLOCK_STEPS, float(BLOCK_STEPS))
+        net.add("model", goodput, BLOCK_STEPS, BLOCK_STEPS / goodput)
+    # The opening's three (before a verdict) are past the window; the two
+    # losing explorations still count (by the latest three: the model's).
+    assert net.ratios == [pytest.approx(r) for r in (0.8, 0.8, 1.2, 1.2)]
+    assert net.winner() == "plain"
 
 
 def test_the_steps_a_switch_costs_are_measured_by_neither_regime() -> None:

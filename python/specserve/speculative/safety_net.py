@@ -71,15 +71,17 @@ PROBE_STEPS = 4
 # block counted, by the median of the last 7 the net still made 23% of
 # 2,300 steps plain; of the last 15, 6%.)
 NET_RECENT = 15
-# ... and of those, the ones that ended within the bucket's last NET_WINDOW
-# steps (about what NET_RECENT of them span while the model leads), the
-# latest FIRST_PAIRS always: while plain holds a bucket the model's blocks
-# are explorations, a few in as many steps, and the hard text that gave
-# plain the bucket must not outvote them for the NET_RECENT blocks it took
-# to turn the verdict. (At one request, DFLASH engines whose text turned
-# hard for a stretch stayed plain for 530 steps after it, 8 explorations
-# later: 1.05-1.21x plain where the same engines without the net ran
-# 1.24-1.26x.)
+# ... and of those, the explorations (run while plain held the bucket),
+# however old, and of the blocks the model ran as the winner only those
+# that ended within the bucket's last NET_WINDOW steps (about what
+# NET_RECENT of them span), the latest FIRST_PAIRS always: the hard text
+# that gave plain the bucket must not outvote the explorations after it
+# for the NET_RECENT blocks it took to turn the verdict. (At one request,
+# DFLASH engines whose text turned hard for a stretch stayed plain for 530
+# steps after it, 8 explorations later: 1.05-1.21x plain where the same
+# engines without the net ran 1.24-1.26x.) But explorations are few and
+# far apart, and by the latest few alone a losing model took back a
+# 64-request bucket by chance: 0.90x plain against 0.94x, DSPARK.
 NET_WINDOW = 256
 # A bucket's first verdict waits for this many of the model's blocks (the
 # model's blocks and plain's probes alternating until then; a neighbour's
@@ -109,6 +111,7 @@ class ModelBlock:
     goodput: float
     before: float | None
     at: int = 0  # the bucket's steps when it ended
+    explored: bool = False  # run while plain held the bucket (an exploration)
     after: float | None = None
 
     @property
@@ -159,7 +162,8 @@ class BucketNet:
                 block.after = around
         else:
             before = self.plain_goodput() if self.plain else None
-            block = ModelBlock(goodput, before, self.steps)
+            explored = self.judged and self.winner() == PLAIN
+            block = ModelBlock(goodput, before, self.steps, explored)
             self.blocks = [*self.blocks[1 - NET_RECENT :], block]
         self.last = regime
         # The loser's block said the verdict is wrong (a model's block ahead
@@ -178,13 +182,14 @@ class BucketNet:
         """Plain's goodput now: the median of its latest blocks within a whole
         block's steps (a probe is a few steps, each as noisy as a step on a
         busy machine, and one stalled probe is outvoted), of those within
-        the last NET_WINDOW steps (the latest always): probes far apart
+        the last NET_WINDOW steps (the latest two always, the higher
+        counting: one stalled probe still outvoted): probes far apart
         measured another machine. (Probes stalled by another process's
         burst, then rare behind a model that seemed to lead by 4-10x, were
         the reference of its blocks for 400 steps.)"""
         recent, total = [], 0
         for g, n, at in reversed(self.plain):
-            if recent and self.steps - at >= NET_WINDOW:
+            if len(recent) >= 2 and self.steps - at >= NET_WINDOW:
                 break
             recent.append(g)
             total += n
@@ -194,10 +199,11 @@ class BucketNet:
 
     @property
     def ratios(self) -> list[float]:
-        """The model's latest blocks' goodput over plain's around them: those
-        within the last NET_WINDOW steps, the latest FIRST_PAIRS at least."""
-        rated = [(b.at, r) for b in self.blocks if (r := b.ratio) is not None]
-        recent = [r for at, r in rated if self.steps - at < NET_WINDOW]
+        """The model's latest blocks' goodput over plain's around them: its
+        explorations, and of the blocks it ran as the winner those within the
+        last NET_WINDOW steps; the latest FIRST_PAIRS at least."""
+        rated = [(b, r) for b in self.blocks if (r := b.ratio) is not None]
+        recent = [r for b, r in rated if b.explored or self.steps - b.at < NET_WINDOW]
         if len(recent) >= FIRST_PAIRS:
             return recent
         return [r for _, r in rated[-FIRST_PAIRS:]]
