@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 # 0.988x.) A block with fewer than PROBE_STEPS steps measured either way
 # says nothing. Each of the model's blocks gives a ratio, its goodput over
 # plain's measured around it (the plain blocks before and after it); the
-# median of a bucket's last NET_RECENT ratios decides (of those, the ones
-# within its last NET_WINDOW steps). The model keeps a
-# bucket only while it leads by NET_MARGIN (a tie goes plain: speculation
-# must not cost throughput).
+# median of a bucket's last NET_RECENT ratios decides (of those, its
+# explorations and the recent ones: NET_WINDOW). The model keeps a bucket
+# only while it leads by NET_MARGIN (a tie goes plain: speculation must not
+# cost throughput).
 # The loser runs one block every `wait` blocks, `wait` set so that
 # exploring costs about EXPLORE_LOSS of the winner's goodput: a loser that
 # loses by 20% waits 20 of the winner's blocks if its block takes as long
@@ -129,12 +129,12 @@ class BucketNet:
     Each of the model's blocks is measured against plain's goodput around it
     in time (its latest probes before the block and after it): the bucket
     keeps its last NET_RECENT model blocks and goes by the median of the
-    recent ones' ratios. Plain around each block shares the machine's state, which
-    drifts by more than the differences judged (another process, a slower
-    clock: 10-25% over minutes on a shared 2-core machine), every model
-    block counts (not only those next to a probe: the text makes one
-    block's goodput scatter by a factor of two at one request), and a
-    median ignores a stalled block."""
+    ratios of those that still count (``ratios``). Plain around each block
+    shares the machine's state, which drifts by more than the differences
+    judged (another process, a slower clock: 10-25% over minutes on a
+    shared 2-core machine), every model block counts (not only those next
+    to a probe: the text makes one block's goodput scatter by a factor of
+    two at one request), and a median ignores a stalled block."""
 
     blocks: list[ModelBlock] = field(default_factory=list)  # the model's latest
     # A neighbouring bucket's lead, standing in until measured here.
@@ -185,7 +185,7 @@ class BucketNet:
         the last NET_WINDOW steps (the latest two always, the higher
         counting: one stalled probe still outvoted): probes far apart
         measured another machine. (Probes stalled by another process's
-        burst, then rare behind a model that seemed to lead by 4-10x, were
+        burst, then rare behind a model that seemed to lead by 4-12x, were
         the reference of its blocks for 400 steps.)"""
         recent, total = [], 0
         for g, n, at in reversed(self.plain):
