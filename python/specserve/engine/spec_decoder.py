@@ -82,27 +82,21 @@ class SpecDecoder:
         planner = self.planner
         requests, prefill = self.scheduler.next_load()
         pinned = [r.sampling.seed is not None and not r.sampling.greedy for r in todo]
-        limits: list[int] | None = None
-        found = None  # whom the proposer drafts for without its network
-        if planner is not None and not any(pinned):
-            # The safety net's plain step, or the costs' choice held (where no
-            # draft is found for free): nothing else to decide.
-            plain = planner.forced_plain(requests)
-            if not plain:
-                limits = [self.scheduler.max_drafts(r) for r in todo]
-                found = self.proposer.lookup(todo, limits)
-                plain = not any(found or ()) and planner.holds_plain(requests, prefill)
-            if plain:
-                for req in todo:
-                    req.accept_rates = planner.drift(req.accept_rates)
-                return
-        if limits is None:
-            limits = [self.scheduler.max_drafts(r) for r in todo]
+        # The safety net's plain step: nothing else to decide.
+        unpinned = planner is not None and not any(pinned)
+        if unpinned and planner.forced_plain(requests):
+            self._stay_plain(todo)
+            return
+        limits = [self.scheduler.max_drafts(r) for r in todo]
+        # Whom the proposer drafts for without its network (None: nobody).
+        found = None if planner is None else self.proposer.lookup(todo, limits)
+        # The costs' plain choice held, where no draft is found for free.
+        if unpinned and not any(found or ()) and planner.holds_plain(requests, prefill):
+            self._stay_plain(todo)
+            return
         pending = [self.proposer.pending_rows(r) for r in todo]
         chosen = limits
         if planner is not None:
-            if found is None:
-                found = self.proposer.lookup(todo, limits)
             free = [k for k, p in enumerate(pinned) if not p]
             extra = prefill + sum(limits[k] + 1 for k, p in enumerate(pinned) if p)
             picks = planner.before_draft(
@@ -162,6 +156,13 @@ class SpecDecoder:
         if planner is not None and ran:
             rows = sum(max(pending[k] - STEADY_ROWS, 0) for k in ran)
             planner.observe_draft(len(ran), time.perf_counter() - start, rows)
+
+    def _stay_plain(self, todo: Sequence[Req]) -> None:
+        """A plain step decided without the costs: every request's estimates
+        drift toward the engine's."""
+        assert self.planner is not None
+        for req in todo:
+            req.accept_rates = self.planner.drift(req.accept_rates)
 
     def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
         """The step just run, measured: the planner's tables learn from it."""

@@ -93,10 +93,10 @@ def rated_drafts(
     out: set[int] = set()
     lengths, rate = best(out)
     if not all(drafter):  # the drafts found alone, no drafter's forward
-        trial, trial_rate = best({i for i, runs in enumerate(drafter) if runs})
+        alone = {i for i, runs in enumerate(drafter) if runs}
+        trial, trial_rate = best(alone)
         if trial_rate > rate:
-            lengths, rate = trial, trial_rate
-            out = {i for i, runs in enumerate(drafter) if runs}
+            lengths, rate, out = trial, trial_rate, alone
     dearest = sorted((-x, i) for i, x in enumerate(join) if x > 0 and survival[i])
     for _, i in dearest[:MAX_LEFT_OUT]:
         trial, trial_rate = best(out | {i})

@@ -18,15 +18,22 @@ class NgramIndex:
 
     sizes: range
     upto: int = 0  # the n-grams ending before this position are in
-    at: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+    at: dict[int, dict[tuple[int, ...], int]] = field(init=False)
 
-    def extend(self, history: list[int], end: int) -> None:
-        """Takes in the n-grams ending before ``end``."""
+    def __post_init__(self) -> None:
+        self.at = {size: {} for size in self.sizes}
+
+    def extend(self, req: Req, end: int) -> None:
+        """Takes in ``req``'s n-grams ending before ``end``."""
+        if end <= self.upto:
+            return
+        lo = max(self.upto + 1 - self.sizes[-1], 0)
+        window = req.tokens_from(lo, end)  # positions lo .. end - 1
         for e in range(self.upto, end):
             for size in self.sizes:
                 if e + 1 >= size:
-                    self.at.setdefault(size, {})[tuple(history[e + 1 - size : e + 1])] = e + 1
-        self.upto = max(self.upto, end)
+                    self.at[size][tuple(window[e + 1 - size - lo : e + 1 - lo])] = e + 1
+        self.upto = end
 
 
 class NgramProposer(Proposer):
@@ -48,17 +55,17 @@ class NgramProposer(Proposer):
         that occurred before, ``limit`` tokens at most."""
         if limit <= 0:
             return []
-        history = req.prompt_ids + req.output_ids
         index = self._indexes.get(req.rid)
         if index is None:
             sizes = range(self.min_match, self.max_match + 1)
             index = self._indexes[req.rid] = NgramIndex(sizes)
+        n = req.seq_len
         # Every n-gram but those ending at the last token: not the suffix itself.
-        index.extend(history, len(history) - 1)
-        for size in range(min(self.max_match, len(history) - 1), self.min_match - 1, -1):
-            start = index.at.get(size, {}).get(tuple(history[-size:]))
+        index.extend(req, n - 1)
+        for size in range(min(self.max_match, n - 1), self.min_match - 1, -1):
+            start = index.at[size].get(tuple(req.tokens_from(n - size, n)))
             if start is not None:
-                return history[start : start + limit]
+                return req.tokens_from(start, min(start + limit, n))
         return []
 
     def release(self, req: Req) -> None:

@@ -318,12 +318,12 @@ class SafetyNet:
         progress's regime, or a new block's, its bucket's choice."""
         block = self.block
         if block is None or block.steps >= block.length:
-            tally = block.measured() if block is not None else None
             if block is not None:
                 block.net.steps += block.steps
-            if tally is not None:
-                goodput = tally.tokens / max(tally.seconds, 1e-12)
-                block.net.add(block.regime, goodput, tally.steps, tally.seconds)
+                tally = block.measured()
+                if tally is not None:
+                    goodput = tally.tokens / max(tally.seconds, 1e-12)
+                    block.net.add(block.regime, goodput, tally.steps, tally.seconds)
             b = load_bucket(requests)
             net = self.nets.get(b)
             if net is None:
