@@ -3,6 +3,8 @@ measured steps and drafting rounds."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from specserve.speculative.cost_model import CostModel
@@ -30,27 +32,35 @@ def test_the_online_correction_moves_a_wrong_table_toward_measured_times() -> No
     assert model.step_seconds(4, 4) == pytest.approx(0.010, rel=0.05)
 
 
-def test_a_steps_seconds_are_its_curves_points() -> None:
+def test_a_steps_seconds_are_its_curves_points_made_monotone() -> None:
     """``step_seconds`` (a point) and ``step_curve`` (a run of tokens, its
     first plain, the others verifying) price a step alike, in every cell and
-    past the table's ends, corrected or not."""
+    past the table's ends, corrected or not, with prefill chunks or not;
+    the curve never falls (a draft more never makes a step cheaper, where
+    cells corrected apart disagree)."""
     model = CostModel(CostTable([1, 8, 64], [1, 4, 8], [[1, 2, 3], [2, 5, 9], [9, 30, 70]]))
-    for requests, tokens, seconds, verify in [
-        (4, 4, 3.0, False),
-        (4, 20, 1.0, True),
-        (4, 20, 4.0, False),
-        (32, 40, 50.0, True),
+    for requests, tokens, seconds, verify, chunk in [
+        (4, 4, 3.0, False, False),
+        (4, 20, 1.0, True, False),
+        (4, 20, 4.0, False, True),
+        (32, 40, 50.0, True, True),
+        (32, 40, 5.0, True, False),
     ]:
-        model.observe_step(requests, tokens, seconds, learn=True, verify=verify)
+        model.observe_step(requests, tokens, seconds, learn=True, verify=verify, chunk=chunk)
+    falls = 0
     for requests in (1, 3, 4, 8, 32, 100):
         for first in (requests, 2 * requests):
-            n = 12 * requests
-            curve = model.step_curve(requests, first, n)
-            points = [model.step_seconds(requests, first + k, verify=k > 0) for k in range(n)]
-            assert points == pytest.approx(curve)
-            verifying = model.step_curve(requests, first, n, verify=True)
-            points = [model.step_seconds(requests, first + k, verify=True) for k in range(n)]
-            assert points == pytest.approx(verifying)
+            for chunk in (False, True):
+                n = 12 * requests
+                for verify in (False, True):
+                    curve = model.step_curve(requests, first, n, verify, chunk)
+                    points = [
+                        model.step_seconds(requests, first + k, verify or k > 0, chunk)
+                        for k in range(n)
+                    ]
+                    falls += any(b < a for a, b in zip(points, points[1:]))
+                    assert curve == pytest.approx(list(itertools.accumulate(points, max)))
+    assert falls  # the points themselves do fall here: the curve's floor is tested
 
 
 def test_a_verifying_step_is_corrected_apart_from_a_plain_one_of_its_tokens() -> None:
@@ -70,6 +80,27 @@ def test_a_verifying_step_is_corrected_apart_from_a_plain_one_of_its_tokens() ->
     assert curve == pytest.approx([0.013, 0.017], rel=0.02)
     # A verifying cell never measured takes its row's verifying correction.
     assert model.step_seconds(16, 16 * 8, verify=True) == pytest.approx(0.017, rel=0.02)
+
+
+def test_steps_with_prefill_chunks_are_corrected_apart_from_the_decoding_alone() -> None:
+    """A chunk's tokens are one request's in a row, which the table (over
+    requests' chains) prices cheap: at 63 requests, a plain cell measured
+    mostly with chunks priced the decoding alone 1.6x its verifying
+    neighbour, and a draft looked as if it made the step cheaper. Here
+    plain steps with a chunk (3 in 4, 30 ms) and without (20 ms) share a
+    cell of the table; verifying steps without one take 22 ms."""
+    model = flat_costs(0.025)
+    for k in range(400):
+        chunk = k % 4 != 0
+        model.observe_step(63, 100, 0.030 if chunk else 0.020, learn=True, chunk=chunk)
+        if k % 8 == 0:
+            model.observe_step(63, 101, 0.022, learn=True, verify=True)
+    assert model.step_seconds(63, 100) == pytest.approx(0.020, rel=0.02)
+    assert model.step_seconds(63, 100, chunk=True) == pytest.approx(0.030, rel=0.02)
+    # Deciding a step without a chunk: a draft costs, not saves.
+    curve = model.step_curve(63, 100, 3)
+    assert curve == pytest.approx([0.020, 0.022, 0.022], rel=0.02)
+    assert curve[0] < curve[1]
 
 
 def test_one_slow_step_moves_the_correction_by_a_factor_not_to_itself() -> None:

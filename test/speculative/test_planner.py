@@ -402,21 +402,31 @@ def test_a_model_that_keeps_choosing_plain_is_judged_and_the_nets_plain_takes_ov
     assert planner.stats.forced_plain > steps * 0.6
 
 
-def test_the_net_measures_a_steps_decoding_not_its_prefill_chunks() -> None:
+def test_the_net_charges_a_steps_prefill_chunks_alike_whichever_regime_ran_it() -> None:
     """Prefill is the arrivals' work, not a regime's: of a step with a
-    chunk, the net takes the decoding's share of the seconds, by the cost
-    model (here linear in tokens), and the decoding requests' tokens."""
-    planner = SpecPlanner(4, CostTable([1, 64], [1, 8], [[0.001, 0.008], [0.064, 0.512]]))
-    assert planner.regime(5) == "model"
-    # 4 requests verifying a draft each beside a 32-token chunk, 10 s.
-    planner.observe_step(5, 40, 4, 4, 8, 10.0, 0.5, decode_tokens=8)
-    cost = planner.cost
-    share = cost.step_seconds(4, 8, verify=True) / cost.step_seconds(5, 40, verify=True)
-    assert 0.1 < share < 0.3
-    tally = planner.net.block.drafted
-    assert tally.tokens == 8 and tally.seconds == pytest.approx(10.0 * share + 0.5)
-    planner.observe_step(4, 8, 4, 4, 8, 1.0, 0.5, decode_tokens=8)  # decoding alone: all of it
-    assert tally.seconds == pytest.approx(10.0 * share + 2.0)
+    chunk, the net takes off the chunk's seconds as a plain step of the
+    step's shape prices them (here, a table linear in tokens: 1 ms a token,
+    so a 32-token chunk 32 ms), whether the step verified drafts or not,
+    and counts the decoding requests' tokens."""
+    table = CostTable([1, 64], [1, 8], [[0.001, 0.008], [0.064, 0.512]])
+    charged = {}
+    for drafts in (4, 0):  # 4 requests verifying a draft each, or plain
+        planner = SpecPlanner(4, table, gate=False)  # the table uncorrected
+        assert planner.regime(5) == "model"
+        decode = 4 + drafts
+        planner.observe_step(5, decode + 32, 4, drafts, 8, 0.100, 0.005, decode_tokens=decode)
+        tally = planner.net.block.every
+        assert tally.tokens == 8
+        charged[drafts] = 0.100 + 0.005 - tally.seconds
+        # Decoding alone: all of its seconds.
+        planner.observe_step(4, decode, 4, drafts, 8, 0.050, 0.005, decode_tokens=decode)
+        assert 0.100 + 0.005 + 0.055 - tally.seconds == pytest.approx(charged[drafts])
+    assert charged[4] == pytest.approx(0.032) and charged[0] == pytest.approx(0.032)
+    # A chunk priced at more than its step took leaves the decoding half its price.
+    planner = SpecPlanner(4, table, gate=False)
+    planner.regime(5)
+    planner.observe_step(5, 36, 4, 0, 4, 0.010, 0.0, decode_tokens=4)
+    assert planner.net.block.every.seconds == pytest.approx(0.002)
 
 
 def test_the_net_credits_a_round_its_prediction_scaled_by_what_rounds_committed() -> None:
@@ -556,6 +566,12 @@ def test_a_plain_choice_by_a_wide_margin_holds_at_the_same_load(monkeypatch) -> 
     assert held.before_draft([None], [4], 1, 0) == [0]
     assert not held.holds_plain(1, 8)  # a prefill chunk beside: decided afresh
     assert not held.holds_plain(1, 0)  # and the hold is gone
+    # Beside a chunk, the hold keeps to chunks within a factor of two.
+    chunky = SpecPlanner(4, linear)
+    chunky.rates = [0.1] * 4  # one draft: 1.1 tokens in 6 tokens' time, not 5
+    assert chunky.before_draft([None], [4], 1, 4) == [0]
+    assert chunky.holds_plain(1, 5) and chunky.holds_plain(1, 7)
+    assert not chunky.holds_plain(1, 8)
     tie = SpecPlanner(4, linear)
     tie.rates = [0.999] * 4  # drafts worth 0.998 of plain: within the margin, no lead
     assert tie.before_draft([None], [4], 1, 0) == [0]
@@ -579,7 +595,7 @@ class Alternating(SpecPlanner):
         self.calls += 1
         return list(limits) if self.calls % 2 else [0] * len(limits)
 
-    def after_draft(self, survival, requests, fixed_tokens):
+    def after_draft(self, survival, requests, fixed_tokens, chunk=False):
         return [len(s) for s in survival]
 
 

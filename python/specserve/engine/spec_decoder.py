@@ -108,6 +108,7 @@ class SpecDecoder:
                 pending=[pending[k] for k in free],
                 remaining=[todo[k].sampling.max_new_tokens - len(todo[k].output_ids) for k in free],
                 free=None if found is None else [found[k] for k in free],
+                chunk=prefill > 0,
             )
             chosen = list(limits)
             for k, n in zip(free, picks):
@@ -130,7 +131,7 @@ class SpecDecoder:
                 survival = [  # a pinned chain is sure to be verified
                     [1.0] * len(s) if pinned[k] else s for s, k in zip(cal, picked)
                 ]
-                refined = planner.after_draft(survival, requests, len(todo) + prefill)
+                refined = planner.after_draft(survival, requests, len(todo) + prefill, prefill > 0)
             else:
                 refined = [chosen[k] for k in picked]
             lengths = [a if pinned[k] else min(a, b) for a, b, k in zip(lengths, refined, picked)]

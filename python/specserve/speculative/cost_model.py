@@ -3,10 +3,13 @@ profiled tables (``step_costs.py``) corrected online by what steps measure.
 
 The step's cost is the target table's, corrected per cell by an EWMA of
 log(measured / table) (a cell never measured: its row's, else the whole
-table's), a verifying step's apart from a plain one's: the table times the
-forward alone, and a step that verifies pays per row besides (every row's
-logits processed, the chains verified and committed, their features handed
-to the drafter). The drafter's round is its profiled table's, corrected the same
+table's), a verifying step's apart from a plain one's and a step with
+prefill chunks apart from one without: the table times the forward alone,
+and a step that verifies pays per row besides (every row's logits
+processed, the chains verified and committed, their features handed to
+the drafter); a chunk's tokens are one request's in a row, which the
+table, profiled over requests' chains, does not price. The step's cost
+never falls with more drafts (cells apart may disagree). The drafter's round is its profiled table's, corrected the same
 way per requests bucket, or without a profile measured online and priced
 by a power law where it was not.
 """
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from specserve.speculative.step_costs import STEADY_ROWS, CostTable
 
@@ -27,6 +32,9 @@ DRAFT_SLOPE = 0.5
 # factor off its current prediction (a first launch, a stall), whatever it
 # measured; measurements that keep saying so move it on, by any factor.
 MAX_CORRECTION = 16.0
+
+# A step table correction's cell (``_cell``).
+Cell = tuple[bool, bool, int, int]
 
 
 def bucket(n: int) -> int:
@@ -74,12 +82,16 @@ class CostModel:
         # process ran) is right again as soon as any step is measured, the
         # verify cells a plain engine never runs included. A cell's first
         # measurement starts from that. Cells and rows are a verifying
-        # step's or a plain one's (``_cell``): at 16 requests a verifying
-        # step of about 70 tokens took 17 ms and a plain one with a prefill
-        # chunk as long 14 ms, and the chunks' steps, four in five of those
-        # measured in the cell, priced the verify at theirs.
-        self.correction: dict[tuple[bool, int, int], Ewma] = {}
-        self.row_correction: dict[tuple[bool, int], Ewma] = {}
+        # step's or a plain one's, with prefill chunks or without (``_cell``):
+        # at 16 requests a verifying step of about 70 tokens took 17 ms and
+        # a plain one with a prefill chunk as long 14 ms, and the chunks'
+        # steps, four in five of those measured in the cell, priced the
+        # verify at theirs. At 63 requests a plain step's cell, mostly
+        # measured with a chunk, priced the decoding alone 1.6x its
+        # verifying neighbour's, and a draft looked as if it made the step
+        # cheaper: the model drafted one token a step, 0.95x plain.
+        self.correction: dict[Cell, Ewma] = {}
+        self.row_correction: dict[tuple[bool, bool, int], Ewma] = {}
         self.table_correction = Ewma(value=0.0)
         # By drafting-requests bucket: log(measured / profiled) with a
         # profile (as the step's cells; a bucket never measured takes the
@@ -90,35 +102,46 @@ class CostModel:
 
     # ---- the target's step -----------------------------------------------------------
 
-    def step_seconds(self, requests: int, tokens: int, verify: bool = False) -> float:
-        """One point of ``step_curve`` (without its arrays: the planner asks
-        for points every step with prefill chunks); ``verify``: the step
-        verifies drafts."""
-        return self.costs(requests, tokens) * self._factor(_cell(requests, tokens, verify))
+    def step_seconds(
+        self, requests: int, tokens: int, verify: bool = False, chunk: bool = False
+    ) -> float:
+        """A step's seconds (``step_curve``'s first point, without its
+        arrays: the planner asks for points every step with prefill
+        chunks); ``verify``: the step verifies drafts; ``chunk``: it has
+        prefill chunks."""
+        return self.costs(requests, tokens) * self._factor(_cell(requests, tokens, verify, chunk))
 
-    def step_curve(self, requests: int, first: int, n: int, verify: bool = False) -> list[float]:
+    def step_curve(
+        self, requests: int, first: int, n: int, verify: bool = False, chunk: bool = False
+    ) -> list[float]:
         """``step_seconds`` at ``first`` .. ``first + n - 1`` tokens, the
         first token's plain and the others' verifying (all of them with
-        ``verify``: chains verified whatever the choice)."""
-        out = self.costs.curve(requests, first, n)
+        ``verify``: chains verified whatever the choice), made monotone: a
+        draft more never makes a step cheaper."""
+        out = self.costs.curve(requests, first, n)  # host arrays: numpy, no device
         r = max(requests, 1)
         k = 0
         while k < n:  # one cell per run of tokens per request in one bucket
             tokens_bucket = bucket(max(first + k, 1) // r)
             end = 1 if k == 0 else min(n, (1 << (tokens_bucket + 1)) * r - first)
-            f = self._factor((verify or k > 0, bucket(r), tokens_bucket))
-            if f != 1.0:
-                out[k:end] = [t * f for t in out[k:end]]
+            out[k:end] *= self._factor((verify or k > 0, chunk, bucket(r), tokens_bucket))
             k = max(end, k + 1)
-        return out
+        return np.maximum.accumulate(out).tolist()
 
     def observe_step(
-        self, requests: int, tokens: int, seconds: float, learn: bool, verify: bool = False
+        self,
+        requests: int,
+        tokens: int,
+        seconds: float,
+        learn: bool,
+        verify: bool = False,
+        chunk: bool = False,
     ) -> float:
         """A step measured at ``seconds``; returns what was predicted of it.
         ``learn``: correct the table by it (without, a saved table decides
-        alone, run after run alike); ``verify``: it verified drafts."""
-        cell = _cell(requests, tokens, verify)
+        alone, run after run alike); ``verify``: it verified drafts;
+        ``chunk``: it had prefill chunks."""
+        cell = _cell(requests, tokens, verify, chunk)
         raw = self.costs(requests, tokens)
         predicted = raw * self._factor(cell)
         if learn:
@@ -126,21 +149,21 @@ class CostModel:
             fix = self.correction.get(cell)
             if fix is None:
                 fix = self.correction[cell] = Ewma(value=self._correction_of(cell).value)
-            row = self.row_correction.get(cell[:2])
+            row = self.row_correction.get(cell[:3])
             if row is None:
-                row = self.row_correction[cell[:2]] = Ewma(value=self.table_correction.value)
+                row = self.row_correction[cell[:3]] = Ewma(value=self.table_correction.value)
             for each in (fix, row, self.table_correction):
                 each.add_log(x)
         return predicted
 
-    def _factor(self, cell: tuple[bool, int, int]) -> float:
+    def _factor(self, cell: Cell) -> float:
         """The measured / table factor of a cell (1 before any measurement)."""
         fix = self._correction_of(cell)
         return math.exp(fix.value) if fix.value else 1.0
 
-    def _correction_of(self, cell: tuple[bool, int, int]) -> Ewma:
+    def _correction_of(self, cell: Cell) -> Ewma:
         """A cell's correction, or what stands in for it (see ``reset``)."""
-        fix = self.correction.get(cell) or self.row_correction.get(cell[:2])
+        fix = self.correction.get(cell) or self.row_correction.get(cell[:3])
         return fix or self.table_correction
 
     # ---- the drafter's round ---------------------------------------------------------
@@ -243,7 +266,8 @@ class CostModel:
         return out
 
 
-def _cell(requests: int, tokens: int, verify: bool) -> tuple[bool, int, int]:
-    """A correction's cell: whether the step verifies, its requests bucket
-    (with the first, its row) and its tokens per request bucket."""
-    return verify, bucket(requests), bucket(max(tokens, 1) // max(requests, 1))
+def _cell(requests: int, tokens: int, verify: bool, chunk: bool) -> Cell:
+    """A correction's cell: whether the step verifies, whether it has
+    prefill chunks, its requests bucket (with the first two, its row) and
+    its tokens per request bucket."""
+    return verify, chunk, bucket(requests), bucket(max(tokens, 1) // max(requests, 1))

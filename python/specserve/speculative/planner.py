@@ -70,7 +70,11 @@ PRIOR_DRIFT = 0.02
 # choice with drafts at 0.9 of plain's worth: 5 steps), HOLD_MAX at most:
 # the estimates move a few percent per step at most, and deciding afresh
 # cost a 32-request step 5% of its time (a few hundred drafts ranked and
-# scanned, in Python, several times over).
+# scanned, in Python, several times over). The same load: as many
+# requests, and prefill chunks beside of as many tokens within a factor of
+# two (``_load_key``): at 64 requests a request arrives nearly every step,
+# and keyed by the chunks' exact tokens no hold lasted a step (a decision,
+# 0.9 ms of a 30 ms step, every step).
 HOLD_PER_STEP = 0.02
 HOLD_MAX = 16
 # A request's context to catch up is paid once for this many rounds at
@@ -96,6 +100,10 @@ CAL_PRIOR = 0.5
 # steps where the fixed length ran 1.7x plain.) The regimes' costs, which
 # the net is there to judge, count as measured.
 NET_ROUNDS = 64
+# A step's seconds less its chunks' (``chunk_seconds``) count at least this
+# share of its decoding's alone as priced: a chunk priced dear must not make
+# a step look nearly free.
+CHUNK_FLOOR = 0.5
 
 
 @dataclass
@@ -181,7 +189,7 @@ class SpecPlanner:
         self.predicted = _Mean(NET_ROUNDS)
         self._credit = 0.0  # the step's rounds: credited tokens less committed
         # A plain choice held: its load (requests, other tokens), steps left.
-        self._hold: tuple[tuple[int, int], int] | None = None
+        self._hold: tuple[tuple[int, int], int] | None = None  # its _load_key
         self.stats = PlannerStats()
 
     # ---- estimates -------------------------------------------------------------------
@@ -278,6 +286,7 @@ class SpecPlanner:
         pending: Sequence[int] | None = None,
         remaining: Sequence[int] | None = None,
         free: Sequence[bool] | None = None,
+        chunk: bool = False,
     ) -> list[int]:
         """Drafts each decoding request will verify next step, before drafting.
 
@@ -290,14 +299,15 @@ class SpecPlanner:
         once for the rounds it has left (``remaining`` tokens at most, at
         its expected tokens per round; ``CATCH_UP_ROUNDS`` at most), and so
         priced per round; ``free``: each request's drafts are found already
-        (``Proposer.lookup``), so it drafts without the drafter's forward."""
+        (``Proposer.lookup``), so it drafts without the drafter's forward;
+        ``chunk``: the step has prefill chunks (among ``extra``)."""
         if not self.gate:
             return list(limits)
         if self.forced_plain(requests):
             return [0] * len(owns)
         survival = survivals([self.estimates(o) for o in owns], limits)
         fixed = len(owns) + extra
-        curve = self.cost.step_curve(requests, fixed, sum(limits) + 1, verify=drafting > 0)
+        curve = self.cost.step_curve(requests, fixed, sum(limits) + 1, drafting > 0, chunk)
         draft = self.cost.draft_curve(drafting, len(owns))
         join = None
         if pending is not None:
@@ -312,7 +322,7 @@ class SpecPlanner:
             self._recover()
             held = min(int((1.0 - worth) / HOLD_PER_STEP), HOLD_MAX)
             if held > 0:
-                self._hold = ((requests, extra), held)
+                self._hold = (_load_key(requests, extra), held)
         return lengths
 
     def _recover(self) -> None:
@@ -325,7 +335,7 @@ class SpecPlanner:
         anchors, as ``before_draft`` takes them; see HOLD_PER_STEP), which
         is then plain as if decided afresh."""
         hold = self._hold
-        if hold is None or hold[0] != (requests, extra):
+        if hold is None or hold[0] != _load_key(requests, extra):
             self._hold = None
             return False
         self._hold = (hold[0], hold[1] - 1) if hold[1] > 1 else None
@@ -333,10 +343,14 @@ class SpecPlanner:
         return True
 
     def after_draft(
-        self, survival: Sequence[Sequence[float]], requests: int, fixed_tokens: int
+        self,
+        survival: Sequence[Sequence[float]],
+        requests: int,
+        fixed_tokens: int,
+        chunk: bool = False,
     ) -> list[int]:
         """Refines the lengths of what was drafted; ``fixed_tokens``: the next
-        step's tokens with no drafts.
+        step's tokens with no drafts; ``chunk``: some are prefill chunks.
 
         The drafting is paid by now, but every round pays it: the lengths
         maximise the round's tokens over all of its time, the drafting as
@@ -347,7 +361,9 @@ class SpecPlanner:
         decides from its saved tables alone, run after run alike."""
         n = len(survival)
         paid = self.cost.draft_seconds(n) if self.gate else self.cost.profiled_draft_seconds(n)
-        curve = self.cost.step_curve(requests, fixed_tokens, sum(map(len, survival)) + 1)
+        curve = self.cost.step_curve(
+            requests, fixed_tokens, sum(map(len, survival)) + 1, chunk=chunk
+        )
         return choose_drafts(survival, [t + paid for t in curve])
 
     def regime(self, requests: int) -> str:
@@ -388,23 +404,25 @@ class SpecPlanner:
         the step before; ``drafted``: whether the drafter ran for it, None:
         whether it verified drafts). The net counts each of the step's
         rounds (``observe_round``, before this) at its credit
-        (``NET_ROUNDS``), and of a step with prefill chunks, the decoding's
-        share of its seconds by the cost model: prefill is the arrivals'
+        (``NET_ROUNDS``), and of a step with prefill chunks, its seconds
+        less the chunks' (``chunk_seconds``): prefill is the arrivals'
         work, not a regime's, and a probe of a few steps with a chunk or
         without measured plain at half or whole speed."""
         # Without the gate the saved table decides alone, run after run alike.
         verify = drafts > 0
+        chunk = decode_tokens is not None and decode_tokens < tokens
         self.stats.predicted_seconds += self.cost.observe_step(
-            requests, tokens, seconds, self.gate, verify
+            requests, tokens, seconds, self.gate, verify, chunk
         )
         self.stats.measured_seconds += seconds
         credit, self._credit = self._credit, 0.0
         if math.isfinite(seconds) and decoding:
             drafted = verify if drafted is None else drafted
-            if decode_tokens is not None and decode_tokens < tokens:
-                whole = self.cost.step_seconds(requests, tokens, verify)
-                part = self.cost.step_seconds(decoding, decode_tokens, verify)
-                seconds *= min(part / whole, 1.0)
+            if chunk:
+                assert decode_tokens is not None
+                plain = decode_tokens - drafts  # the decoding requests' anchors
+                cut = self.chunk_seconds(requests, tokens - drafts, decoding, plain)
+                seconds = max(seconds - cut, CHUNK_FLOOR * self.cost.step_seconds(decoding, plain))
             self.net.observe(generated + credit, seconds + draft_seconds, drafted)
         if not decoding:
             return
@@ -412,6 +430,25 @@ class SpecPlanner:
         self.stats.drafts[drafts] = self.stats.drafts.get(drafts, 0) + 1
         if drafts == 0:
             self.stats.plain_steps += 1
+
+    def chunk_seconds(self, requests: int, tokens: int, decoding: int, anchors: int) -> float:
+        """What a step's prefill chunks cost it, as the plain step of its shape
+        (``requests`` of ``tokens``, ``decoding`` of them with ``anchors``
+        tokens) prices them against the same step without them, whichever
+        regime ran it: arrivals come with the tokens committed, so every
+        regime's steps carry as many chunks per token, and charged alike,
+        an error in their price moves both regimes' goodput the same way.
+        (Each step's decoding share by its own cells, verifying or plain,
+        had the net measure the model 1.01-1.03x plain at 64 requests where
+        its blocks ran 0.83-0.87x.)"""
+        whole = self.cost.step_seconds(requests, tokens, chunk=True)
+        return max(whole - self.cost.step_seconds(decoding, anchors), 0.0)
+
+
+def _load_key(requests: int, extra: int) -> tuple[int, int]:
+    """A held plain choice's load (see HOLD_PER_STEP): the requests, and the
+    step's other tokens within a factor of two."""
+    return requests, extra.bit_length()
 
 
 def build_planner(

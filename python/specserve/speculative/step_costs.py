@@ -54,7 +54,7 @@ class CostTable:
             at = self._at[requests] = [_lerp(self.counts, col, requests) for col in self._columns]
         return at
 
-    def curve(self, requests: int, first: int, n: int) -> list[float]:
+    def curve(self, requests: int, first: int, n: int) -> np.ndarray:
         """Seconds at ``requests`` of ``first``, ``first + 1`` .. ``first + n - 1``
         tokens: the counts interpolated once, then each along the chains."""
         requests = max(requests, 1)
@@ -63,12 +63,12 @@ class CostTable:
         xs = self.chains
         if len(xs) == 1:
             one = at[0] * np.maximum(x / xs[0], 1.0)
-            return np.maximum(one, 1e-9).tolist()  # host read: numpy, no device
+            return np.maximum(one, 1e-9)
         out = np.interp(x, xs, at)
         below, above = x < xs[0], x > xs[-1]  # linear past either end, as its end segment
         out[below] = at[0] + (at[1] - at[0]) / (xs[1] - xs[0]) * (x[below] - xs[0])
         out[above] = at[-1] + (at[-1] - at[-2]) / (xs[-1] - xs[-2]) * (x[above] - xs[-1])
-        return np.maximum(out, 1e-9).tolist()  # host read: numpy, no device
+        return np.maximum(out, 1e-9)
 
     def to_dict(self) -> dict:
         return {"counts": self.counts, "chains": self.chains, "seconds": self.times}
