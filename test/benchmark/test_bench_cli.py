@@ -66,6 +66,45 @@ def test_the_lockstep_ab_runs(tmp_path) -> None:
     assert row["DSPARK-fixed"]["vs_plain"] > 0 and row["DSPARK-fixed"]["tau"] >= 1
 
 
+def test_engines_sharing_the_targets_weights_decode_as_apart() -> None:
+    """The lockstep's engines run on one model's weights: a speculative
+    engine and a plain one that took the plain engine's model decode what
+    engines built apart decode."""
+    from models_zoo import model_path, random_prompts
+    from specserve import Engine
+
+    path = os.path.join(ROOT, "benchmark", "bench_spec_lockstep.py")
+    spec = importlib.util.spec_from_file_location("bench_spec_lockstep", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    target = model_path("qwen3")
+    kw = {"model_path": target, "device": "cpu", "max_total_tokens": 2048}
+    ngram = {"speculative_algorithm": "NGRAM", "speculative_adaptive": "off"}
+    prompts = random_prompts(3, [12, 7, 20], seed=5) + [[7, 8, 9, 10] * 4]
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+
+    def decode(engine: Engine) -> list[list[int]]:
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        return [o["output_ids"] for o in outs]
+
+    engines = [
+        Engine(**kw),
+        Engine(**kw, **ngram),
+        Engine(**kw),
+        Engine(**kw),
+        Engine(**kw, **ngram),
+    ]
+    try:
+        apart = [decode(e) for e in engines[:2]]
+        shared = engines[2:]
+        bench.share_target_weights(shared)
+        assert all(e.runner.model is shared[0].runner.model for e in shared)
+        assert [decode(e) for e in shared[1:]] == apart
+    finally:
+        for e in engines:
+            e.shutdown()
+
+
 def test_request_caps_are_spread_and_the_same_for_every_server() -> None:
     path = os.path.join(ROOT, "benchmark", "bench_spec_load.py")
     spec = importlib.util.spec_from_file_location("bench_spec_load", path)
