@@ -5,7 +5,7 @@ with C requests in flight (closed loop: a finished request is replaced
 by the next held-out prompt at once; greedy, natural stops, each prompt's
 ``max_tokens`` spread over half to all of ``--output-len``: see
 ``spread_lengths``). The engines take one step each in turn, the order
-rotated every round, so that they share the machine's state within a
+shuffled every round, so that they share the machine's state within a
 few milliseconds of each other: on a 2-core machine whose speed drifts by
 10-30% over seconds, the pair ratios of ``bench_spec_load.py``'s
 seconds-long waves spread as wide as the effects measured, and these do
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -139,12 +140,16 @@ def share_target_weights(engines: list[Any]) -> None:
             engine.runner.model = model
 
 
-def rounds(loops: dict[str, ClosedLoop], count: int, clients: int) -> None:
-    """``count`` rounds of one step per engine, the order rotated per round."""
+def rounds(loops: dict[str, ClosedLoop], count: int, clients: int, rng: random.Random) -> None:
+    """``count`` rounds of one step per engine, in an order shuffled per round:
+    an engine that steps after another finds the caches as that one left
+    them (the target's weights warm after a plain engine, partly evicted
+    after a drafter), so none may always follow the same one (rotated,
+    the control always stepped after plain, on its weights: 1.026x)."""
     order = list(loops.values())
-    for r in range(count):
-        k = r % len(order)
-        for loop in order[k:] + order[:k]:
+    for _ in range(count):
+        rng.shuffle(order)
+        for loop in order:
             loop.step(clients)
 
 
@@ -152,15 +157,16 @@ def measure(loops: dict[str, ClosedLoop], clients: int, args: argparse.Namespace
     """One concurrency's row: every engine filled to ``clients`` requests,
     warmed up, measured over ``args.windows`` windows, then drained."""
     names = list(loops)
+    rng = random.Random(clients)  # the same orders run after run
     for loop in loops.values():
         loop.fill(clients)
-    rounds(loops, args.warm_up, clients)
+    rounds(loops, args.warm_up, clients, rng)
     for loop in loops.values():
         loop.take()
     before = {n: counters(loop.engine) for n, loop in loops.items()}
     rates: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(args.windows):
-        rounds(loops, args.window, clients)
+        rounds(loops, args.window, clients, rng)
         for n, loop in loops.items():
             tokens, seconds = loop.take()
             rates[n].append(tokens / max(seconds, 1e-12))
