@@ -7,8 +7,10 @@ import itertools
 
 import pytest
 
+from specserve.speculative import draft_choice
 from specserve.speculative.draft_choice import choose_drafts as choose_listed
-from specserve.speculative.draft_choice import static_lengths, survival_of
+from specserve.speculative.draft_choice import rated_drafts, static_lengths, survival_of
+from specserve.speculative.planner import MARGIN
 
 
 def choose_drafts(survival, step_seconds, fixed_tokens, draft_seconds=None) -> list[int]:
@@ -72,12 +74,15 @@ def goodput(survival, lengths, step, fixed, draft) -> float:
     return expected / seconds
 
 
+@pytest.mark.parametrize("scan", ["list", "array"])
 @pytest.mark.parametrize("seed", range(12))
-def test_the_choice_is_the_best_of_every_prefix_combination(seed) -> None:
+def test_the_choice_is_the_best_of_every_prefix_combination(seed, scan, monkeypatch) -> None:
     """Brute force over every (k_1..k_R): none beats the chosen lengths'
-    expected tokens per second, on a staircase (bucketed) cost."""
+    expected tokens per second, on a staircase (bucketed) cost, whichever
+    scan (Python's list, numpy's arrays) finds them."""
     import random
 
+    monkeypatch.setattr(draft_choice, "NUMPY_DRAFTS", 0 if scan == "array" else 10**9)
     rng = random.Random(seed)
     survival = [survival_of([rng.random() for _ in range(3)]) for _ in range(3)]
     stair = [rng.uniform(0.5, 1.5) for _ in range(4)]
@@ -93,3 +98,29 @@ def test_the_choice_is_the_best_of_every_prefix_combination(seed) -> None:
         goodput(survival, ks, step, 3, draft) for ks in itertools.product(range(4), repeat=3)
     )
     assert goodput(survival, chosen, step, 3, draft) == pytest.approx(best)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_array_scan_chooses_as_the_list_scan(seed, monkeypatch) -> None:
+    """Past the brute force's reach (up to 64 requests of 7 drafts, ties,
+    prompt lookup, requests dear to join), both scans choose alike and
+    rate the choice alike to the last bit."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(150):
+        r, width = rng.choice([2, 9, 64]), rng.choice([1, 7])
+        rates = [
+            [rng.choice([rng.random(), 0.5, 1.0, 0.0]) for _ in range(width)] for _ in range(r)
+        ]
+        survival = [survival_of(x[: rng.randint(0, width)]) for x in rates]
+        slope = rng.choice([0.0, rng.uniform(0, 0.05)])
+        steps = [0.01 * (1 + slope * k) for k in range(r * width + 1)]
+        drafts = [0.0] + [rng.uniform(0.0, 0.01) * k**0.5 for k in range(1, r + 1)]
+        join = [rng.choice([0.0, rng.uniform(0, 0.005)]) for _ in range(r)]
+        free = [rng.random() < 0.3 for _ in range(r)] if rng.random() < 0.3 else None
+        got = []
+        for threshold in (10**9, 0):
+            monkeypatch.setattr(draft_choice, "NUMPY_DRAFTS", threshold)
+            got.append(rated_drafts(survival, steps, drafts, MARGIN, join, free))
+        assert got[0] == got[1]
