@@ -170,17 +170,25 @@ class SpecDecoder:
         generated, self._generated = self._generated, 0
         if self.planner is None:
             return
-        fed = [len(e.token_ids) for e in batch.entries]
+        tokens = decoding = drafts = decode_tokens = 0
+        for step, entry in zip(batch.steps, batch.entries):  # one pass: every step
+            fed = len(entry.token_ids)
+            tokens += fed
+            if step.decoding:
+                decoding += 1
+                decode_tokens += fed
+            if step.verify:
+                drafts += len(step.drafts)
         self.planner.observe_step(
             requests=len(batch.steps),
-            tokens=sum(fed),
-            decoding=sum(s.decoding for s in batch.steps),
-            drafts=sum(len(s.drafts) for s in batch.steps if s.verify),
+            tokens=tokens,
+            decoding=decoding,
+            drafts=drafts,
             generated=generated,
             seconds=seconds,
             draft_seconds=self._draft_seconds,
             drafted=self._drafted,
-            decode_tokens=sum(n for n, s in zip(fed, batch.steps) if s.decoding),
+            decode_tokens=decode_tokens,
         )
 
     def release(self, req: Req) -> None:
