@@ -9,9 +9,10 @@ and a step that verifies pays per row besides (every row's logits
 processed, the chains verified and committed, their features handed to
 the drafter); a chunk's tokens are one request's in a row, which the
 table, profiled over requests' chains, does not price. The step's cost
-never falls with more drafts (cells apart may disagree). The drafter's round is its profiled table's, corrected the same
-way per requests bucket, or without a profile measured online and priced
-by a power law where it was not.
+never falls with more drafts (cells apart may disagree). The drafter's
+round is its profiled table's, corrected the same way per requests
+bucket, or without a profile measured online and priced by a power law
+where it was not.
 """
 
 from __future__ import annotations

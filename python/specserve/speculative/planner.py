@@ -188,8 +188,8 @@ class SpecPlanner:
         self.committed = _Mean(NET_ROUNDS)
         self.predicted = _Mean(NET_ROUNDS)
         self._credit = 0.0  # the step's rounds: credited tokens less committed
-        # A plain choice held: its load (requests, other tokens), steps left.
-        self._hold: tuple[tuple[int, int], int] | None = None  # its _load_key
+        # A plain choice held: its load (``_load_key``), steps left.
+        self._hold: tuple[tuple[int, int], int] | None = None
         self.stats = PlannerStats()
 
     # ---- estimates -------------------------------------------------------------------
