@@ -119,7 +119,7 @@ class CostModel:
         first token's plain and the others' verifying (all of them with
         ``verify``: chains verified whatever the choice), made monotone: a
         draft more never makes a step cheaper."""
-        out = self.costs.curve(requests, first, n)  # host arrays: numpy, no device
+        out = self.costs.curve(requests, first, n)
         r = max(requests, 1)
         k = 0
         while k < n:  # one cell per run of tokens per request in one bucket
@@ -127,7 +127,7 @@ class CostModel:
             end = 1 if k == 0 else min(n, (1 << (tokens_bucket + 1)) * r - first)
             out[k:end] *= self._factor((verify or k > 0, chunk, bucket(r), tokens_bucket))
             k = max(end, k + 1)
-        return np.maximum.accumulate(out).tolist()
+        return np.maximum.accumulate(out).tolist()  # host read: numpy, no device
 
     def observe_step(
         self,

@@ -165,7 +165,7 @@ class _ArrayScan:
         b = int(np.argmax(rate))  # the first of equal rates, as the list's scan
         chosen = np.zeros(self.r, dtype=np.int64)
         np.maximum.at(chosen, i[: b + 1], j[: b + 1])
-        return chosen.tolist(), float(rate[b])
+        return chosen.tolist(), float(rate[b])  # host read: numpy, no device
 
 
 def survival_of(rates: Sequence[float]) -> list[float]:
