@@ -100,7 +100,7 @@ CAL_PRIOR = 0.5
 # steps where the fixed length ran 1.7x plain.) The regimes' costs, which
 # the net is there to judge, count as measured.
 NET_ROUNDS = 64
-# A step's seconds less its chunks' (``chunk_seconds``) count at least this
+# A step's seconds less its chunks' (``decoding_seconds``) count at least this
 # share of its decoding's alone as priced: a chunk priced dear must not make
 # a step look nearly free.
 CHUNK_FLOOR = 0.5
@@ -405,7 +405,7 @@ class SpecPlanner:
         whether it verified drafts). The net counts each of the step's
         rounds (``observe_round``, before this) at its credit
         (``NET_ROUNDS``), and of a step with prefill chunks, its seconds
-        less the chunks' (``chunk_seconds``): prefill is the arrivals'
+        less the chunks' (``decoding_seconds``): prefill is the arrivals'
         work, not a regime's, and a probe of a few steps with a chunk or
         without measured plain at half or whole speed."""
         # Without the gate the saved table decides alone, run after run alike.
@@ -420,9 +420,10 @@ class SpecPlanner:
             drafted = verify if drafted is None else drafted
             if chunk:
                 assert decode_tokens is not None
-                plain = decode_tokens - drafts  # the decoding requests' anchors
-                cut = self.chunk_seconds(requests, tokens - drafts, decoding, plain)
-                seconds = max(seconds - cut, CHUNK_FLOOR * self.cost.step_seconds(decoding, plain))
+                anchors = decode_tokens - drafts
+                seconds = self.decoding_seconds(
+                    seconds, requests, tokens - drafts, decoding, anchors
+                )
             self.net.observe(generated + credit, seconds + draft_seconds, drafted)
         if not decoding:
             return
@@ -431,18 +432,22 @@ class SpecPlanner:
         if drafts == 0:
             self.stats.plain_steps += 1
 
-    def chunk_seconds(self, requests: int, tokens: int, decoding: int, anchors: int) -> float:
-        """What a step's prefill chunks cost it, as the plain step of its shape
-        (``requests`` of ``tokens``, ``decoding`` of them with ``anchors``
-        tokens) prices them against the same step without them, whichever
-        regime ran it: arrivals come with the tokens committed, so every
+    def decoding_seconds(
+        self, seconds: float, requests: int, tokens: int, decoding: int, anchors: int
+    ) -> float:
+        """A step's ``seconds`` less what its prefill chunks cost it, as the
+        plain step of its shape (``requests`` of ``tokens``, ``decoding`` of
+        them with ``anchors`` tokens) prices them against the same step
+        without them, whichever regime ran it (CHUNK_FLOOR of the decoding's
+        price at least): arrivals come with the tokens committed, so every
         regime's steps carry as many chunks per token, and charged alike,
         an error in their price moves both regimes' goodput the same way.
         (Each step's decoding share by its own cells, verifying or plain,
         had the net measure the model 1.01-1.03x plain at 64 requests where
         its blocks ran 0.83-0.87x.)"""
-        whole = self.cost.step_seconds(requests, tokens, chunk=True)
-        return max(whole - self.cost.step_seconds(decoding, anchors), 0.0)
+        alone = self.cost.step_seconds(decoding, anchors)
+        chunks = max(self.cost.step_seconds(requests, tokens, chunk=True) - alone, 0.0)
+        return max(seconds - chunks, CHUNK_FLOOR * alone)
 
 
 def _load_key(requests: int, extra: int) -> tuple[int, int]:
