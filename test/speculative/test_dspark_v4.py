@@ -46,11 +46,12 @@ class Served:
         self.rounds: list[dict] = []
         on_features, propose = proposer.on_target_features, proposer.propose
 
-        def record_features(req, start: int, features: torch.Tensor) -> None:
+        def record_features(req, start: int, captured: torch.Tensor, first=0, count=None) -> None:
             got = self.features.setdefault(req.rid, [])
             assert start == sum(f.shape[0] for f in got)  # in order, nothing recomputed
-            got.append(features.clone())
-            on_features(req, start, features)
+            end = captured.shape[0] if count is None else first + count
+            got.append(captured[first:end].clone())
+            on_features(req, start, captured, first, count)
 
         def record_propose(reqs, max_lens):
             before = [(r.rid, r.seq_len - 1, r.output_ids[-1]) for r in reqs]

@@ -87,13 +87,15 @@ class SpecDecoder:
         if unpinned and planner.forced_plain(requests):
             self._stay_plain(todo)
             return
-        limits = [self.scheduler.max_drafts(r) for r in todo]
         # Whom the proposer drafts for without its network (None: nobody).
-        found = None if planner is None else self.proposer.lookup(todo, limits)
+        found = None
+        if planner is not None and self.proposer.looks_up:
+            found = self.proposer.lookup(todo, [self.scheduler.max_drafts(r) for r in todo])
         # The costs' plain choice held, where no draft is found for free.
         if unpinned and not any(found or ()) and planner.holds_plain(requests, prefill):
             self._stay_plain(todo)
             return
+        limits = [self.scheduler.max_drafts(r) for r in todo]
         pending = [self.proposer.pending_rows(r) for r in todo]
         chosen = limits
         if planner is not None:
@@ -254,5 +256,4 @@ class SpecDecoder:
             fed = committed
             self.scheduler.trim(req, entry.prefix_len + fed)
         if captured is not None and not req.finished:
-            features = captured[first : first + fed]  # [fed, m * d]
-            self.proposer.on_target_features(req, entry.prefix_len, features)
+            self.proposer.on_target_features(req, entry.prefix_len, captured, first, fed)

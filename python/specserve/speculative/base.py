@@ -49,6 +49,9 @@ class Proposer(ABC):
     def propose(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> DraftProposal:
         """Drafts for requests whose last token (the anchor) is not yet in the KV."""
 
+    # Whether ``lookup`` finds drafts for anyone (else it is not asked).
+    looks_up: bool = False
+
     def lookup(self, reqs: Sequence[Req], max_lens: Sequence[int]) -> list[bool] | None:
         """Before deciding who drafts: which of ``reqs`` this round's
         ``propose`` drafts for without a drafter network's forward (found
@@ -60,9 +63,13 @@ class Proposer(ABC):
         """How many of each chain's drafts to verify (all of them by default)."""
         return [len(t) for t in proposal.tokens]
 
-    def on_target_features(self, req: Req, start: int, features: torch.Tensor) -> None:  # noqa: B027
-        """Captured target features ``[n, m * d]`` of committed positions ``start..``
-        (only proposers with ``capture_layer_ids`` receive any)."""
+    def on_target_features(  # noqa: B027
+        self, req: Req, start: int, captured: torch.Tensor, first: int = 0, count: int | None = None
+    ) -> None:
+        """Captured target features of committed positions ``start..``: the
+        ``count`` rows of ``captured`` ``[T, m * d]`` from row ``first`` (None:
+        all the rest), kept by reference: the step's tensor is not written
+        again (only proposers with ``capture_layer_ids`` receive any)."""
 
     def release(self, req: Req) -> None:
         """Drops the request's draft state (finished, aborted or preempted)."""

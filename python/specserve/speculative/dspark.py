@@ -71,8 +71,15 @@ PROFILE_SAMPLING = SamplingParams(temperature=0.0)
 class DSparkState:
     pages: list[int] = field(default_factory=list)
     ctx_len: int = 0  # positions whose context K/V are cached
-    pending: list[torch.Tensor] = field(default_factory=list)  # features of ctx_len..
+    # Features of ctx_len..: rows ``[first, first + count)`` of a step's
+    # captured tensor each, sliced only when the drafter takes them (most
+    # steps at a high load hand rows on that no round reads for a while).
+    pending: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
     pending_len: int = 0
+
+    def pending_features(self) -> list[torch.Tensor]:
+        """The pending rows, in order (``[count, m * d]`` each)."""
+        return [t[a : a + n] for t, a, n in self.pending]
 
 
 class DSparkProposer(Proposer):
@@ -174,15 +181,18 @@ class DSparkProposer(Proposer):
         self._cover(st, end)
         return st.pages
 
-    def on_target_features(self, req: Req, start: int, features: torch.Tensor) -> None:
+    def on_target_features(
+        self, req: Req, start: int, captured: torch.Tensor, first: int = 0, count: int | None = None
+    ) -> None:
         if self.shard is not None:
             return  # their K/V are in the pool already (``_context_pages``)
         st = req.draft_state
         if st is None:
             st = req.draft_state = DSparkState()
         assert start == st.ctx_len + st.pending_len, "context features must arrive in order"
-        st.pending.append(features)
-        st.pending_len += features.shape[0]
+        count = captured.shape[0] - first if count is None else count
+        st.pending.append((captured, first, count))
+        st.pending_len += count
 
     def release(self, req: Req) -> None:
         st = req.draft_state
@@ -213,7 +223,7 @@ class DSparkProposer(Proposer):
                 feats = self.model.feature_weight.new_zeros(rows, d)
                 # The context K/V before the pending rows are whatever the
                 # pages hold: only the time counts.
-                req.draft_state = DSparkState([], prefix - rows, [feats], rows)
+                req.draft_state = DSparkState([], prefix - rows, [(feats, 0, rows)], rows)
                 reqs.append(req)
             try:
                 self.propose(reqs, [self.max_drafts] * n)
@@ -242,7 +252,7 @@ class DSparkProposer(Proposer):
             st = r.draft_state
             end = st.ctx_len + st.pending_len
             self._cover(st, end)
-            feats.extend(st.pending)
+            feats.extend(st.pending_features())
             positions.extend(range(st.ctx_len, end))
             slots.extend(page_slots(st.pages, st.ctx_len, end, ps))
         device = self.model.feature_weight.device
@@ -300,7 +310,7 @@ class DSparkProposer(Proposer):
             )
             p = st.ctx_len + st.pending_len
             self._cover(st, p + g)
-            feats.extend(st.pending)
+            feats.extend(st.pending_features())
             x.context_rows.append(st.pending_len)
             x.context_positions.extend(range(st.ctx_len, p))
             x.context_slots.extend(page_slots(st.pages, st.ctx_len, p, ps))

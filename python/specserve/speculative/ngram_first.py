@@ -23,6 +23,8 @@ from specserve.speculative.ngram import NgramProposer
 
 
 class NgramFirstProposer(Proposer):
+    looks_up = True
+
     def __init__(self, prompt_lookup: NgramProposer, drafter: Proposer) -> None:
         self.prompt_lookup = prompt_lookup
         self.drafter = drafter
@@ -64,8 +66,10 @@ class NgramFirstProposer(Proposer):
     def verify_lengths(self, proposal: DraftProposal) -> list[int]:
         return self.drafter.verify_lengths(proposal)
 
-    def on_target_features(self, req: Req, start: int, features: torch.Tensor) -> None:
-        self.drafter.on_target_features(req, start, features)
+    def on_target_features(
+        self, req: Req, start: int, captured: torch.Tensor, first: int = 0, count: int | None = None
+    ) -> None:
+        self.drafter.on_target_features(req, start, captured, first, count)
 
     def release(self, req: Req) -> None:
         self.prompt_lookup.release(req)
