@@ -174,5 +174,54 @@ def test_a_table_without_learning_keeps_its_prediction() -> None:
     report what it predicted and leave it as it was."""
     model = flat_costs(0.001)
     for _ in range(20):
-        assert model.observe_step(4, 4, 0.010, learn=False) == pytest.approx(0.001)
+        model.observe_step(4, 4, 0.010, learn=False)
+    assert model.predicted_seconds() == pytest.approx(20 * 0.001)
     assert model.step_seconds(4, 4) == pytest.approx(0.001)
+
+
+def test_measured_steps_waiting_to_correct_the_table_read_as_corrected_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Measured steps correct the table in batches (OBSERVE_BATCH), but every
+    read settles those waiting first: reads anywhere among the measurements
+    price as with each step corrected at once, and the seconds predicted of
+    the steps are each step's as priced just before its measurement."""
+    import random
+
+    from specserve.speculative import cost_model
+
+    rng = random.Random(3)
+    ops = []
+    for _ in range(300):
+        requests, tokens = rng.choice([1, 3, 8, 30]), rng.randint(1, 64)
+        verify, chunk = rng.random() < 0.4, rng.random() < 0.2
+        if rng.random() < 0.15:
+            ops.append(("read", requests, tokens, verify, chunk))
+        else:
+            seconds = rng.uniform(0.5, 4.0) * (1 + tokens / 8)
+            ops.append(("step", requests, tokens, verify, chunk, seconds))
+
+    def run(batch: int) -> tuple[list[float], float, float]:
+        monkeypatch.setattr(cost_model, "OBSERVE_BATCH", batch)
+        table = CostTable([1, 8, 64], [1, 4, 8], [[1, 2, 3], [2, 5, 9], [9, 30, 70]])
+        model = CostModel(table, CostTable([1, 64], [1], [[2.0], [8.0]]), draft_row=0.01)
+        reads, priced = [], 0.0
+        for op in ops:
+            if op[0] == "read":
+                _, requests, tokens, verify, chunk = op
+                reads.append(model.step_seconds(requests, tokens, verify, chunk))
+                reads.extend(model.step_curve(requests, tokens, 3, verify, chunk))
+                reads.append(model.draft_seconds(requests))
+                reads.append(model.catch_up_seconds(tokens))
+            else:
+                _, requests, tokens, verify, chunk, seconds = op
+                if batch == 1:  # the oracle: the price just before the measurement
+                    priced += model.step_seconds(requests, tokens, verify, chunk)
+                model.observe_step(requests, tokens, seconds, True, verify, chunk)
+        return reads, model.predicted_seconds(), priced
+
+    waited, predicted, _ = run(16)
+    at_once, predicted_at_once, priced = run(1)
+    assert waited == pytest.approx(at_once, rel=1e-12)
+    assert predicted == pytest.approx(priced, rel=1e-12)
+    assert predicted_at_once == pytest.approx(priced, rel=1e-12)

@@ -509,7 +509,7 @@ class Engine:
             "spec_verified_per_position": verified,
             "spec_accepted_per_position": accepted,
             "spec_verify_rounds": spec.stats.rounds if spec else 0,
-            **(spec.planner.stats.to_dict() if spec and spec.planner else {}),
+            **(spec.planner.metrics() if spec and spec.planner else {}),
         }
 
     def _handle(self, cmd: tuple[str, Any]) -> None:

@@ -33,6 +33,13 @@ DRAFT_SLOPE = 0.5
 # factor off its current prediction (a first launch, a stall), whatever it
 # measured; measurements that keep saying so move it on, by any factor.
 MAX_CORRECTION = 16.0
+# Measured steps wait and correct the table in order when it is next read,
+# or once this many wait: one step's correction, run alone right after its
+# forward, finds its objects out of the caches (30 us of a 7 ms step at 4
+# requests; 9 us run again at once), and most steps at a high load decide
+# nothing that reads the table. Every read settles them first, so what it
+# reads is what corrections made at once would give.
+OBSERVE_BATCH = 16
 
 # A step table correction's cell (``_cell``).
 Cell = tuple[bool, bool, int, int]
@@ -100,6 +107,10 @@ class CostModel:
         # seconds themselves.
         self.draft_cost: dict[int, Ewma] = {}
         self.draft_correction: Ewma | None = None
+        # Steps measured, not yet corrected by (``observe_step``), and the
+        # seconds predicted of those that were.
+        self._waiting: list[tuple[int, int, float, bool, bool, bool]] = []
+        self._predicted = 0.0
 
     # ---- the target's step -----------------------------------------------------------
 
@@ -110,6 +121,7 @@ class CostModel:
         arrays: the planner asks for points every step with prefill
         chunks); ``verify``: the step verifies drafts; ``chunk``: it has
         prefill chunks."""
+        self._settle()
         return self.costs(requests, tokens) * self._factor(_cell(requests, tokens, verify, chunk))
 
     def step_curve(
@@ -119,6 +131,7 @@ class CostModel:
         first token's plain and the others' verifying (all of them with
         ``verify``: chains verified whatever the choice), made monotone: a
         draft more never makes a step cheaper."""
+        self._settle()
         out = self.costs.curve(requests, first, n)
         r = max(requests, 1)
         k = 0
@@ -137,15 +150,32 @@ class CostModel:
         learn: bool,
         verify: bool = False,
         chunk: bool = False,
-    ) -> float:
-        """A step measured at ``seconds``; returns what was predicted of it.
-        ``learn``: correct the table by it (without, a saved table decides
-        alone, run after run alike); ``verify``: it verified drafts;
-        ``chunk``: it had prefill chunks."""
-        cell = _cell(requests, tokens, verify, chunk)
-        raw = self.costs(requests, tokens)
-        predicted = raw * self._factor(cell)
-        if learn:
+    ) -> None:
+        """A step measured at ``seconds`` (see OBSERVE_BATCH). ``learn``:
+        correct the table by it (without, a saved table decides alone, run
+        after run alike); ``verify``: it verified drafts; ``chunk``: it had
+        prefill chunks."""
+        self._waiting.append((requests, tokens, seconds, learn, verify, chunk))
+        if len(self._waiting) >= OBSERVE_BATCH:
+            self._settle()
+
+    def predicted_seconds(self) -> float:
+        """The seconds predicted of the steps measured, each as predicted
+        before its own measurement."""
+        self._settle()
+        return self._predicted
+
+    def _settle(self) -> None:
+        """The waiting steps' corrections, in the order they were measured."""
+        if not self._waiting:
+            return
+        waiting, self._waiting = self._waiting, []
+        for requests, tokens, seconds, learn, verify, chunk in waiting:
+            cell = _cell(requests, tokens, verify, chunk)
+            raw = self.costs(requests, tokens)
+            self._predicted += raw * self._factor(cell)
+            if not learn:
+                continue
             x = math.log(max(seconds, 1e-12) / max(raw, 1e-12))
             fix = self.correction.get(cell)
             if fix is None:
@@ -155,7 +185,6 @@ class CostModel:
                 row = self.row_correction[cell[:3]] = Ewma(value=self.table_correction.value)
             for each in (fix, row, self.table_correction):
                 each.add_log(x)
-        return predicted
 
     def _factor(self, cell: Cell) -> float:
         """The measured / table factor of a cell (1 before any measurement)."""
@@ -173,6 +202,7 @@ class CostModel:
         """The drafter for ``n`` requests (0 before any was measured)."""
         if not n:
             return 0.0
+        self._settle()  # (a bucket never measured takes the target's correction)
         if self.draft_costs is not None:  # the profile at n, its bucket's correction
             return self.draft_costs(n, n) * self._draft_factor(bucket(n))
         return self._draft_buckets(bucket(n))[-1]
@@ -189,6 +219,7 @@ class CostModel:
         first's: at 25 of 32 requests drafting, the round took 1.7x the 16
         requests' the staircase priced it at, and requests 17-31 drafted for
         free by it); measured only, by bucket."""
+        self._settle()
         if self.draft_costs is not None:  # each bucket's factor once (every step asks)
             factors = [self._draft_factor(b) for b in range(bucket(paid + n) + 1)]
             at = [
@@ -210,6 +241,7 @@ class CostModel:
         extra = max(pending - STEADY_ROWS, 0)
         if not extra or not self.draft_row:
             return 0.0
+        self._settle()
         fix = self.draft_correction or self.table_correction
         return self.draft_row * extra * (math.exp(fix.value) if fix.value else 1.0)
 
@@ -222,6 +254,7 @@ class CostModel:
                 self.draft_cost.setdefault(bucket(n), Ewma()).add(seconds)
             return
         predicted = self.draft_costs(n, n) + self.draft_row * pending
+        self._settle()
         x = math.log(max(seconds, 1e-12) / max(predicted, 1e-12))
         start = (self.draft_correction or self.table_correction).value
         if self.draft_correction is None:

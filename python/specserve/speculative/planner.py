@@ -133,7 +133,6 @@ class PlannerStats:
     plain_steps: int = 0  # of which verified no drafts
     forced_plain: int = 0  # of which the safety net made plain
     drafts: dict[int, int] = field(default_factory=dict)  # drafts per step -> steps
-    predicted_seconds: float = 0.0  # over the measured steps
     measured_seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -142,7 +141,6 @@ class PlannerStats:
             "spec_plain_steps": self.plain_steps,
             "spec_forced_plain_steps": self.forced_plain,
             "spec_drafts_per_step": dict(sorted(self.drafts.items())),
-            "spec_predicted_step_seconds": self.predicted_seconds,
             "spec_measured_step_seconds": self.measured_seconds,
         }
 
@@ -411,9 +409,7 @@ class SpecPlanner:
         # Without the gate the saved table decides alone, run after run alike.
         verify = drafts > 0
         chunk = decode_tokens is not None and decode_tokens < tokens
-        self.stats.predicted_seconds += self.cost.observe_step(
-            requests, tokens, seconds, self.gate, verify, chunk
-        )
+        self.cost.observe_step(requests, tokens, seconds, self.gate, verify, chunk)
         self.stats.measured_seconds += seconds
         credit, self._credit = self._credit, 0.0
         if math.isfinite(seconds) and decoding:
@@ -448,6 +444,13 @@ class SpecPlanner:
         alone = self.cost.step_seconds(decoding, anchors)
         chunks = max(self.cost.step_seconds(requests, tokens, chunk=True) - alone, 0.0)
         return max(seconds - chunks, CHUNK_FLOOR * alone)
+
+    def metrics(self) -> dict:
+        """What ``/get_server_info`` and ``/metrics`` show of the planner."""
+        return {
+            **self.stats.to_dict(),
+            "spec_predicted_step_seconds": self.cost.predicted_seconds(),
+        }
 
 
 def _load_key(requests: int, extra: int) -> tuple[int, int]:
