@@ -466,10 +466,10 @@ class SpecPlanner:
 def _load_key(requests: int, extra: int) -> tuple[int, int]:
     """A held plain choice's load (see HOLD_PER_STEP): the requests' load
     bucket (C and the C - 1 left while one is replaced share one: keyed by
-    the exact count, at 16 requests in a closed loop every other hold broke
-    within a step or two, and the planner decided in 235 of 500 steps, 5.8%
-    of a step each; so, in 51), and the step's other tokens within a factor
-    of two."""
+    the exact count, the holds broke as requests were replaced, and a model
+    deciding every step at 16 requests in a closed loop decided in 235 of
+    500 steps, 5.8% of a step each; so, in 51), and the step's other tokens
+    within a factor of two."""
     return load_bucket(requests), extra.bit_length()
 
 
