@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -75,11 +74,7 @@ PRIOR_DRIFT = 0.02
 # the same load bucket, and prefill chunks beside of as many tokens within
 # a factor of two (``_load_key``): at 64 requests a request arrives nearly
 # every step, and keyed by the chunks' exact tokens no hold lasted a step
-# (a decision, 0.9 ms of a 30 ms step, every step). Deciding again is
-# itself part of the margin: a decision's measured seconds over the plain
-# step's count as a share more of it, so that near a tie (a decision cost
-# a 16-request step 5.8% of its time, and most chose plain) a plain choice
-# holds for a step or more: a tie is worth little either way.
+# (a decision, 0.9 ms of a 30 ms step, every step).
 HOLD_PER_STEP = 0.02
 HOLD_MAX = 16
 # A request's context to catch up is paid once for this many rounds at
@@ -169,7 +164,6 @@ class SpecPlanner:
         past ``STEADY_ROWS`` per request adds to a round (``StepCosts``)."""
         self.width = width
         self.cost = CostModel(costs, draft_costs, draft_row)
-        self.clock = time.perf_counter  # times the decisions (see HOLD_PER_STEP)
         self.gate = gate
         self.prior = prior
         self.reset()
@@ -194,7 +188,6 @@ class SpecPlanner:
         self._credit = 0.0  # the step's rounds: credited tokens less committed
         # A plain choice held: its load (``_load_key``), steps left.
         self._hold: tuple[tuple[int, int], int] | None = None
-        self._deciding = Ewma()  # a decision's seconds (``before_draft``)
         self.stats = PlannerStats()
 
     # ---- estimates -------------------------------------------------------------------
@@ -310,7 +303,6 @@ class SpecPlanner:
             return list(limits)
         if self.forced_plain(requests):
             return [0] * len(owns)
-        start = self.clock()
         survival = survivals([self.estimates(o) for o in owns], limits)
         fixed = len(owns) + extra
         curve = self.cost.step_curve(requests, fixed, sum(limits) + 1, drafting > 0, chunk)
@@ -323,12 +315,10 @@ class SpecPlanner:
                 for p, s, n in zip(pending, survival, left)
             ]
         lengths, worth = rated_drafts(survival, curve, draft, MARGIN, join, free)
-        self._deciding.add(self.clock() - start)
         self._hold = None
         if any(limits) and not any(lengths):  # the costs chose plain: the estimates recover
             self._recover()
-            again = (self._deciding.value or 0.0) / max(curve[0], 1e-12)
-            held = min(int((1.0 - worth + again) / HOLD_PER_STEP), HOLD_MAX)
+            held = min(int((1.0 - worth) / HOLD_PER_STEP), HOLD_MAX)
             if held > 0:
                 self._hold = (_load_key(requests, extra), held)
         return lengths
@@ -468,8 +458,8 @@ def _load_key(requests: int, extra: int) -> tuple[int, int]:
     bucket (C and the C - 1 left while one is replaced share one: keyed by
     the exact count, the holds broke as requests were replaced, and a model
     deciding every step at 16 requests in a closed loop decided in 235 of
-    500 steps, 5.8% of a step each; so, in 51), and the step's other tokens
-    within a factor of two."""
+    500 steps, 5.8% of a step each), and the step's other tokens within a
+    factor of two."""
     return load_bucket(requests), extra.bit_length()
 
 
