@@ -121,7 +121,7 @@ class CostModel:
         arrays: the planner asks for points every step with prefill
         chunks); ``verify``: the step verifies drafts; ``chunk``: it has
         prefill chunks."""
-        self.settle()
+        self._settle()
         return self.costs(requests, tokens) * self._factor(_cell(requests, tokens, verify, chunk))
 
     def step_curve(
@@ -131,7 +131,7 @@ class CostModel:
         first token's plain and the others' verifying (all of them with
         ``verify``: chains verified whatever the choice), made monotone: a
         draft more never makes a step cheaper."""
-        self.settle()
+        self._settle()
         out = self.costs.curve(requests, first, n)
         r = max(requests, 1)
         k = 0
@@ -157,15 +157,15 @@ class CostModel:
         prefill chunks."""
         self._waiting.append((requests, tokens, seconds, learn, verify, chunk))
         if len(self._waiting) >= OBSERVE_BATCH:
-            self.settle()
+            self._settle()
 
     def predicted_seconds(self) -> float:
         """The seconds predicted of the steps measured, each as predicted
         before its own measurement."""
-        self.settle()
+        self._settle()
         return self._predicted
 
-    def settle(self) -> None:
+    def _settle(self) -> None:
         """The waiting steps' corrections, in the order they were measured."""
         if not self._waiting:
             return
@@ -202,7 +202,7 @@ class CostModel:
         """The drafter for ``n`` requests (0 before any was measured)."""
         if not n:
             return 0.0
-        self.settle()  # (a bucket never measured takes the target's correction)
+        self._settle()  # (a bucket never measured takes the target's correction)
         if self.draft_costs is not None:  # the profile at n, its bucket's correction
             return self.draft_costs(n, n) * self._draft_factor(bucket(n))
         return self._draft_buckets(bucket(n))[-1]
@@ -219,7 +219,7 @@ class CostModel:
         first's: at 25 of 32 requests drafting, the round took 1.7x the 16
         requests' the staircase priced it at, and requests 17-31 drafted for
         free by it); measured only, by bucket."""
-        self.settle()
+        self._settle()
         if self.draft_costs is not None:  # each bucket's factor once (every step asks)
             factors = [self._draft_factor(b) for b in range(bucket(paid + n) + 1)]
             at = [
@@ -241,7 +241,7 @@ class CostModel:
         extra = max(pending - STEADY_ROWS, 0)
         if not extra or not self.draft_row:
             return 0.0
-        self.settle()
+        self._settle()
         fix = self.draft_correction or self.table_correction
         return self.draft_row * extra * (math.exp(fix.value) if fix.value else 1.0)
 
@@ -254,7 +254,7 @@ class CostModel:
                 self.draft_cost.setdefault(bucket(n), Ewma()).add(seconds)
             return
         predicted = self.draft_costs(n, n) + self.draft_row * pending
-        self.settle()
+        self._settle()
         x = math.log(max(seconds, 1e-12) / max(predicted, 1e-12))
         start = (self.draft_correction or self.table_correction).value
         if self.draft_correction is None:
