@@ -666,6 +666,61 @@ def test_drafting_resumed_after_plain_steps_is_exact(drafters, plain_outputs, al
         eng.shutdown()
 
 
+class Sparse(Alternating):
+    """Drafts on every fourth decision: runs of plain steps between rounds."""
+
+    def before_draft(self, owns, limits, requests, extra, drafting=0, **_):
+        self.calls += 1
+        return list(limits) if self.calls % 4 == 0 else [0] * len(limits)
+
+
+def test_drafting_resumed_from_rows_copied_out_is_exact(drafters, plain_outputs) -> None:
+    """A request's pending features copied out of the steps' shared tensors
+    (here once they keep 10 other rows alive: every few plain steps) are
+    the rows the drafter reads when drafting resumes: every round drafts
+    what it drafts from the rows kept in place, and ids and logprobs ==
+    plain."""
+    drafts, copies = [], []
+    for max_shared_rows in (None, 10):
+        eng = engine(
+            speculative_algorithm="DSPARK", speculative_draft_model_path=drafters["DSPARK"]
+        )
+        try:
+            proposer = eng.proposer
+            proposer.max_shared_rows = max_shared_rows or proposer.max_shared_rows
+            eng.core.spec.planner = Sparse(proposer.max_drafts)
+            proposed, propose, copied = {}, proposer.propose, [0]
+
+            def recorded(reqs, max_lens, propose=propose, proposed=proposed):
+                proposal = propose(reqs, max_lens)
+                for r, tokens in zip(reqs, proposal.tokens):
+                    proposed[(r.rid, len(r.output_ids))] = list(tokens)
+                return proposal
+
+            def on_target_features(req, *a, inner=proposer.on_target_features, copied=copied):
+                inner(req, *a)
+                st = req.draft_state
+                copied[0] += st.copied == len(st.pending)
+
+            proposer.propose, proposer.on_target_features = recorded, on_target_features
+            outs = eng.generate(
+                input_ids=PROMPTS,
+                sampling_params=GREEDY,
+                return_logprob=True,
+                top_logprobs_num=3,
+                rid=[f"c{i}" for i in range(len(PROMPTS))],
+            )
+            for o, p in zip(outs, plain_outputs):
+                assert o["output_ids"] == p["output_ids"]
+                assert lp(o) == pytest.approx(lp(p), abs=1e-5)
+            drafts.append(proposed)
+            copies.append(copied[0])
+        finally:
+            eng.shutdown()
+    assert copies[0] == 0 < copies[1]
+    assert drafts[0] and drafts[1] == drafts[0]
+
+
 def test_sampling_resumed_after_plain_steps_scores_as_plain(drafters) -> None:
     """Sampled output under plain steps and rounds mixed: each token's
     logprob is what plain decoding's scoring of the same text gives. (No

@@ -67,6 +67,14 @@ logger = logging.getLogger(__name__)
 PROFILE_SAMPLING = SamplingParams(temperature=0.0)
 
 
+# The bytes of other requests' features that one request's pending rows may
+# keep alive (as the rest of the step tensors they are rows of) before its
+# own rows are copied out: a request held plain beside 63 others would keep
+# 64 rows for each of its own. Requests that draft again within a few
+# hundred steps never pay the copy.
+SHARED_BYTES = 64 << 20
+
+
 @dataclass
 class DSparkState:
     pages: list[int] = field(default_factory=list)
@@ -76,10 +84,20 @@ class DSparkState:
     # steps at a high load hand rows on that no round reads for a while).
     pending: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
     pending_len: int = 0
+    copied: int = 0  # the entries of ``pending`` up to its last copy-out
+    shared_rows: int = 0  # the rows of the later ones' tensors that are not its own
 
     def pending_features(self) -> list[torch.Tensor]:
         """The pending rows, in order (``[count, m * d]`` each)."""
         return [t[a : a + n] for t, a, n in self.pending]
+
+    def copy_out(self) -> None:
+        """The rows of the entries since the last copy-out as one tensor of
+        their own, so that the step tensors they came from can go."""
+        tail = self.pending[self.copied :]
+        rows = torch.cat([t[a : a + n] for t, a, n in tail])
+        self.pending[self.copied :] = [(rows, 0, rows.shape[0])]
+        self.copied, self.shared_rows = len(self.pending), 0
 
 
 class DSparkProposer(Proposer):
@@ -103,6 +121,8 @@ class DSparkProposer(Proposer):
         # (slot 0 the anchor's bonus token in the 1 + N layout).
         self.block_len = block_size + model.lead
         self.capture_layer_ids = model.config.target_layer_ids
+        width = model.feature_weight.shape[1]  # m * d: one position's features
+        self.max_shared_rows = SHARED_BYTES // (width * model.feature_weight.element_size())
         self.kv_pool = kv_pool
         self.block_pool = block_pool
         device = model.feature_weight.device
@@ -193,6 +213,11 @@ class DSparkProposer(Proposer):
         count = captured.shape[0] - first if count is None else count
         st.pending.append((captured, first, count))
         st.pending_len += count
+        others = captured.shape[0] - count
+        if others:
+            st.shared_rows += others
+            if st.shared_rows > self.max_shared_rows:
+                st.copy_out()
 
     def release(self, req: Req) -> None:
         st = req.draft_state
@@ -278,6 +303,7 @@ class DSparkProposer(Proposer):
             st = r.draft_state
             if st is not None and st.pending:
                 st.ctx_len, st.pending, st.pending_len = st.ctx_len + st.pending_len, [], 0
+                st.copied, st.shared_rows = 0, 0
                 self._slide(st)
 
     def _slide(self, st: DSparkState) -> None:
