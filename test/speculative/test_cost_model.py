@@ -179,6 +179,35 @@ def test_a_table_without_learning_keeps_its_prediction() -> None:
     assert model.step_seconds(4, 4) == pytest.approx(0.001)
 
 
+def test_a_step_curve_read_again_is_what_a_fresh_model_computes() -> None:
+    """Curves are kept between reads (a step asks twice at one load): every
+    read, again at the same load or after steps moved the corrections, is
+    what a model that measured the same steps and never read computes."""
+    import random
+
+    rng = random.Random(8)
+    table = CostTable([1, 8, 64], [1, 4, 8], [[1, 2, 3], [2, 5, 9], [9, 30, 70]])
+    loads = [
+        (1, 1, 8, False, False),
+        (1, 1, 8, True, False),
+        (8, 8, 30, False, True),
+        (30, 40, 9, True, True),
+    ]
+    model, steps = CostModel(table), []
+    for _ in range(200):
+        if rng.random() < 0.5:
+            load = rng.choice(loads)
+            fresh = CostModel(table)
+            for step in steps:
+                fresh.observe_step(*step)
+            assert model.step_curve(*load) == pytest.approx(fresh.step_curve(*load), rel=1e-12)
+        else:
+            requests, tokens = rng.choice([1, 8, 30]), rng.randint(1, 64)
+            step = (requests, tokens, rng.uniform(0.5, 4.0), True, rng.random() < 0.5, False)
+            steps.append(step)
+            model.observe_step(*step)
+
+
 def test_measured_steps_waiting_to_correct_the_table_read_as_corrected_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -41,8 +41,18 @@ MAX_CORRECTION = 16.0
 # reads is what corrections made at once would give.
 OBSERVE_BATCH = 16
 
+# The step curves a cost model keeps (``step_curve``), at most, of each kind.
+MAX_CURVES = 64
+
 # A step table correction's cell (``_cell``).
 Cell = tuple[bool, bool, int, int]
+
+
+def _keep(cache: dict, key: object, value: object) -> None:
+    """``cache[key] = value``, the cache emptied first when full (MAX_CURVES)."""
+    if len(cache) >= MAX_CURVES:
+        cache.clear()
+    cache[key] = value
 
 
 def bucket(n: int) -> int:
@@ -111,6 +121,12 @@ class CostModel:
         # seconds predicted of those that were.
         self._waiting: list[tuple[int, int, float, bool, bool, bool]] = []
         self._predicted = 0.0
+        # ``step_curve``'s answers since the corrections last moved (a step
+        # asks twice at one load, before and after drafting), and the
+        # table's own curves, which never move: 60 us a curve at one
+        # request, its arrays out of the caches after the forward.
+        self._curves: dict[tuple[int, int, int, bool, bool], list[float]] = {}
+        self._table_curves: dict[tuple[int, int, int], np.ndarray] = {}
 
     # ---- the target's step -----------------------------------------------------------
 
@@ -130,9 +146,24 @@ class CostModel:
         """``step_seconds`` at ``first`` .. ``first + n - 1`` tokens, the
         first token's plain and the others' verifying (all of them with
         ``verify``: chains verified whatever the choice), made monotone: a
-        draft more never makes a step cheaper."""
+        draft more never makes a step cheaper. (Shared: read, never write.)"""
         self._settle()
-        out = self.costs.curve(requests, first, n)
+        key = (requests, first, n, verify, chunk)
+        curve = self._curves.get(key)
+        if curve is None:
+            curve = self._step_curve(requests, first, n, verify, chunk)
+            _keep(self._curves, key, curve)
+        return curve
+
+    def _step_curve(
+        self, requests: int, first: int, n: int, verify: bool, chunk: bool
+    ) -> list[float]:
+        key = (requests, first, n)
+        table = self._table_curves.get(key)
+        if table is None:
+            table = self.costs.curve(requests, first, n)
+            _keep(self._table_curves, key, table)
+        out = table.copy()
         r = max(requests, 1)
         k = 0
         while k < n:  # one cell per run of tokens per request in one bucket
@@ -170,6 +201,7 @@ class CostModel:
         if not self._waiting:
             return
         waiting, self._waiting = self._waiting, []
+        self._curves.clear()
         for requests, tokens, seconds, learn, verify, chunk in waiting:
             cell = _cell(requests, tokens, verify, chunk)
             raw = self.costs(requests, tokens)
