@@ -522,6 +522,30 @@ def test_a_request_whose_drafts_were_all_cut_counts_a_miss() -> None:
     assert own[0] < 0.8 and own[1:] == [0.8] * 3 and planner.rates[0] < PRIOR
 
 
+def test_a_calibration_that_cuts_every_chain_recovers_while_it_cuts() -> None:
+    """A run of rejections takes the first position's calibration near 0, and
+    ``after_draft`` cuts the next chains to none, unverified: each cut moves
+    the calibration back toward the head's word, and chains are verified
+    again within a few steps. (Verified rounds alone moving it, it stayed
+    low for good: at one request, a fifth of the steps drafted for
+    nothing.) Past a partial cut, the positions cut drift as well."""
+    planner = SpecPlanner(4, CostTable([1, 64], [1, 8], [[1.0, 2.0], [64.0, 128.0]]))
+    conf = [0.6] * 4
+    for _ in range(40):  # the first draft rejected every round
+        planner.observe_round(None, 4, 0, conf)
+    cuts = 0
+    while planner.after_draft([planner.calibrated(conf)], 1, 1) == [0]:
+        planner.observe_cut(None)
+        cuts += 1
+        assert cuts < 30, "the calibration never lets a chain be verified again"
+    assert cuts > 0
+    for _ in range(40):  # the fourth draft rejected every round
+        planner.observe_round(None, 4, 3, conf)
+    low = planner.cal_acc[3].value
+    planner.observe_round(None, 1, 1, conf, drafted=4)  # one of four drafts kept
+    assert low < planner.cal_acc[3].value < planner.cal_conf[3].value
+
+
 def test_estimates_recover_while_nobody_drafts() -> None:
     """Rejections at high load must not keep a later, lighter load from
     speculating: while every step is plain, the engine's estimates move back
