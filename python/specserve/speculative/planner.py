@@ -223,7 +223,6 @@ class SpecPlanner:
         for j in range(min(committed, verified, len(confidence or ()))):
             self.cal_acc[j].add(1.0 if j < accepted else 0.0)
             self.cal_conf[j].add(confidence[j])
-        self._uncut(verified, drafted or verified)
         return own
 
     def observe_cut(self, own: list[float] | None) -> list[float]:
@@ -231,22 +230,18 @@ class SpecPlanner:
         step is plain): its first draft counts as not accepted (``_judge``)."""
         own = self.estimates(own)
         self._judge(own, 0, 1)
-        self._uncut(0, self.width)
-        return own
-
-    def _uncut(self, start: int, stop: int) -> None:
-        """Positions ``start .. stop - 1`` drafted and cut by the calibration
-        unverified: their calibration drifts back toward the head's word.
-        Verified rounds alone move it, so one that a run of rejections took
-        low would cut every later chain there and never be measured again:
-        at one request, after a stretch of hard text, the first position's
-        scale sat at 0.06 and every paid round was cut to none (up to a
-        fifth of the steps, drafted for nothing: 1.27x plain where the
-        chains verified whole ran 1.46x)."""
-        for j in range(start, min(stop, self.width)):
-            acc, conf = self.cal_acc[j], self.cal_conf[j]
+        # Verified rounds alone move the calibration, so one that a run of
+        # rejections took low cut every later chain to none, never verified
+        # again: at one request, after a stretch of hard text, the first
+        # position's scale sat at 0.06 and up to a fifth of the steps paid
+        # the drafter for nothing (1.27x plain where the chains verified
+        # whole ran 1.46x). Each such cut moves it back toward the head's
+        # word. (Not a partial cut's: at a high load the costs make most,
+        # and a drift there would lean every estimate toward the head's.)
+        for acc, conf in zip(self.cal_acc, self.cal_conf):
             if acc.value is not None and conf.value is not None:
                 acc.value += DRIFT * (conf.value - acc.value)
+        return own
 
     def _judge(self, own: list[float], accepted: int, reach: int) -> None:
         """The request's and the engine's rates at positions ``0 .. reach - 1``:
