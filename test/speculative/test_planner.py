@@ -706,7 +706,7 @@ def test_drafting_resumed_from_rows_copied_out_is_exact(drafters, plain_outputs)
         )
         try:
             proposer = eng.proposer
-            proposer.max_shared_rows = max_shared_rows or proposer.max_shared_rows
+            proposer.max_shared_rows = max_shared_rows
             eng.core.spec.planner = Sparse(proposer.max_drafts)
             proposed, propose, copied = {}, proposer.propose, [0]
 

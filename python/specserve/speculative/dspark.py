@@ -121,8 +121,8 @@ class DSparkProposer(Proposer):
         # (slot 0 the anchor's bonus token in the 1 + N layout).
         self.block_len = block_size + model.lead
         self.capture_layer_ids = model.config.target_layer_ids
-        width = model.feature_weight.shape[1]  # m * d: one position's features
-        self.max_shared_rows = SHARED_BYTES // (width * model.feature_weight.element_size())
+        # SHARED_BYTES in rows, once the first features show their width.
+        self.max_shared_rows: int | None = None
         self.kv_pool = kv_pool
         self.block_pool = block_pool
         device = model.feature_weight.device
@@ -216,7 +216,11 @@ class DSparkProposer(Proposer):
         others = captured.shape[0] - count
         if others:
             st.shared_rows += others
-            if st.shared_rows > self.max_shared_rows:
+            limit = self.max_shared_rows
+            if limit is None:
+                row = captured.shape[1] * captured.element_size()
+                limit = self.max_shared_rows = SHARED_BYTES // row
+            if st.shared_rows > limit:
                 st.copy_out()
 
     def release(self, req: Req) -> None:
