@@ -544,9 +544,10 @@ def test_a_calibration_that_cuts_every_chain_recovers_while_it_cuts() -> None:
 def test_estimates_recover_while_nobody_drafts() -> None:
     """Rejections at high load must not keep a later, lighter load from
     speculating: while every step is plain, the engine's estimates move back
-    to the prior (slowly: acceptance does not change with load, and a few
-    dozen plain steps must not make every draft look likely), and a table
-    on which drafts pay gets them again."""
+    to the long-run ones, the prior before any round was verified (slowly:
+    acceptance does not change with load, and a few dozen plain steps must
+    not make every draft look likely), and a table on which drafts pay gets
+    them again."""
     steep = SpecPlanner(4, CostTable([1, 64], [1, 8], [[1.0, 8.0], [64.0, 512.0]]))
     steep.rates = [0.05] * 4
     for _ in range(10):
@@ -558,6 +559,31 @@ def test_estimates_recover_while_nobody_drafts() -> None:
     flat = flat_planner()
     flat.rates = steep.rates
     assert any(flat.before_draft([None], [4], 1, 0))
+
+
+def test_estimates_recover_toward_what_verified_rounds_accepted() -> None:
+    """An engine whose verified rounds accepted 30% of their drafts, on a
+    table where a draft pays only above about half: its plain steps take the
+    estimates back to 30%, not to the prior's 80%, so it never drafts again
+    to find out (at 16 requests, recovering toward the prior made full
+    chains look worth drafting every few dozen steps, each such step about
+    0.8x plain). Drafts cut before verification count as misses in the
+    engine's estimates but not in the long run."""
+    half = CostTable([1, 64], [1, 2], [[1.0, 1.5], [64.0, 96.0]])  # a draft: half a step
+    planner = SpecPlanner(1, half)
+    for k in range(300):
+        planner.observe_round(None, 1, 1 if k % 10 < 3 else 0, None)
+    assert planner.long_rates[0] == pytest.approx(0.3, abs=0.1)
+    for _ in range(2000):
+        assert planner.before_draft([None], [1], 1, 0) == [0]
+    assert planner.rates[0] == pytest.approx(planner.long_rates[0], abs=0.01)
+    long = list(planner.long_rates)
+    for _ in range(50):
+        planner.observe_cut(None)
+    assert planner.long_rates == long and planner.rates[0] < long[0]
+    # The same engine with the prior kept as the long run drafts again.
+    planner.long_rates = [PRIOR]
+    assert any(any(planner.before_draft([None], [1], 1, 0)) for _ in range(500))
 
 
 def test_a_plain_choice_by_a_wide_margin_holds_at_the_same_load(monkeypatch) -> None:

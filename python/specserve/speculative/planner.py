@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # the planner imports no stage at run time
 # own, so that they stay a longer-run reference to drift back to. (At one
 # request both see the same rounds: at one weight, a request whose
 # estimates fell after hard text drifted toward estimates that had fallen
-# as far, and stayed plain for as long as the drift toward the prior
+# as far, and stayed plain for as long as the drift back
 # took. At 64-token answers the model kept 94-147 of 630-840 steps plain
 # where a fifth of the weight kept 44-93, offline, three runs each.)
 ENGINE_ALPHA = 0.02
@@ -60,11 +60,22 @@ MARGIN = 0.02
 # is measured again once the costs let it draft.
 DRIFT = 0.05
 # Per step that nobody drafts, the engine-wide estimates move this far
-# toward the prior: acceptance does not change with the load (the costs
-# decide that nobody drafts), but an engine that measured it low early must
-# try again some time. (At DRIFT, a few dozen plain steps under load made
-# every draft look likely and started rounds that lost.)
+# toward the long-run ones (``LONG_ALPHA``): acceptance does not change with
+# the load (the costs decide that nobody drafts), but an engine whose
+# estimates a stretch of hard text, or drafts cut at a high load, took low
+# must try again some time. (At DRIFT, a few dozen plain steps under load
+# made every draft look likely and started rounds that lost.)
 PRIOR_DRIFT = 0.02
+# The long-run estimates' weight of one verified round: what the engine's
+# recover toward. Rounds verified alone count, so the cuts of a high load,
+# which count as misses in the engine's estimates, do not take it low; and
+# a stretch of hard text moves it a little. (Recovering toward the prior
+# instead, at 16 requests a model deciding every step found full chains
+# worth 1.02-1.2x plain every 28 steps, at 0.8 a position where verified
+# rounds accepted 0.65-0.77: each such round ran about 0.8x, and the
+# model's steps 0.944x plain against 0.989x for plain steps on the same
+# engine; so, 0.976x.)
+LONG_ALPHA = 0.01
 # A plain choice the costs made by a wide margin holds for the next steps
 # at the same load, one step per HOLD_PER_STEP of the margin (the best
 # choice with drafts at 0.9 of plain's worth: 5 steps), HOLD_MAX at most:
@@ -173,6 +184,7 @@ class SpecPlanner:
         first launches and made-up prompts say nothing of real steps); the
         profiled table stays."""
         self.rates = [self.prior] * self.width  # engine-wide acceptance per position
+        self.long_rates = [self.prior] * self.width  # the same over verified rounds, long-run
         # Calibration of confidences per position: EMA of accepted and of
         # predicted, both from one value (a scale of 1: the head's word), so
         # that a first rejection moves the scale by a step, not to 0 (which
@@ -220,6 +232,9 @@ class SpecPlanner:
         scale = self.committed.value / max(self.predicted.value, 1e-12)
         self._credit += predicted * scale - committed
         self._judge(own, accepted, min(committed, max(verified, drafted or 0)))
+        long = self.long_rates
+        for j in range(min(committed, verified)):
+            long[j] += LONG_ALPHA * ((1.0 if j < accepted else 0.0) - long[j])
         for j in range(min(committed, verified, len(confidence or ()))):
             self.cal_acc[j].add(1.0 if j < accepted else 0.0)
             self.cal_conf[j].add(confidence[j])
@@ -335,8 +350,9 @@ class SpecPlanner:
         return lengths
 
     def _recover(self) -> None:
-        """A step the costs made plain: the engine-wide rates move toward the prior."""
-        self.rates = [r + PRIOR_DRIFT * (self.prior - r) for r in self.rates]
+        """A step the costs made plain: the engine-wide rates move toward the
+        long-run ones."""
+        self.rates = [r + PRIOR_DRIFT * (g - r) for r, g in zip(self.rates, self.long_rates)]
 
     def holds_plain(self, requests: int, extra: int) -> bool:
         """Whether the costs' last plain choice holds for the next step (its
