@@ -95,7 +95,7 @@ def test_a_request_turned_plain_by_hard_text_drafts_again_within_a_few_steps() -
     same rounds; the engine's move slower, so they stay a longer-run
     reference: a request whose own fell after a hard stretch drifts back
     to them and drafts again within a few plain steps (at one weight for
-    both, it waited for the drift toward the prior: 19 steps here)."""
+    both, it waited for the engine's drift back: 19 steps here)."""
     table = CostTable([1], [1, 8], [[1.0, 1.0]])  # verifying is free
     planner = SpecPlanner(4, table, draft_costs=CostTable([1], [1], [[1.5]]))
     own = None
@@ -606,7 +606,7 @@ def test_a_plain_choice_by_a_wide_margin_holds_at_the_same_load(monkeypatch) -> 
         assert held.holds_plain(1, 0)
         assert fresh.before_draft([None], [4], 1, 0) == [0]
     assert len(calls) == 2 + HOLD_MAX  # the fresh planner's only
-    assert held.rates == pytest.approx(fresh.rates)  # recovering toward the prior alike
+    assert held.rates == pytest.approx(fresh.rates)  # recovering alike
     assert not held.holds_plain(1, 0)  # the hold ran out
     assert held.before_draft([None], [4], 1, 0) == [0]
     assert not held.holds_plain(1, 8)  # a prefill chunk beside: decided afresh
