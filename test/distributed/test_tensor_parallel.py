@@ -175,7 +175,12 @@ def test_tp2_equals_tp1(models, case, tmp_path) -> None:
         if o["meta_info"]["finish_reason"]["type"] == "stop":
             json.loads(o["text"], strict=False)  # complete output parses
     if spec(models):
-        assert got["greedy"][0]["meta_info"]["spec_verify_ct"] > 0
+        # A round was verified in the group. (The budget schedule's lengths
+        # follow a table timed at start-up, which on a busy machine may cut
+        # a greedy request's every chain; a seeded sampled request keeps
+        # its proposer's lengths.)
+        verified = got["sampled"] if budget else got["greedy"][:1]
+        assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in verified)
 
 
 def test_shards_hold_their_slices(models) -> None:

@@ -65,16 +65,16 @@ DRIFT = 0.05
 # estimates a stretch of hard text, or drafts cut at a high load, took low
 # must try again some time. (At DRIFT, a few dozen plain steps under load
 # made every draft look likely and started rounds that lost.)
-PRIOR_DRIFT = 0.02
+RECOVER_DRIFT = 0.02
 # The long-run estimates' weight of one verified round: what the engine's
-# recover toward. Rounds verified alone count, so the cuts of a high load,
-# which count as misses in the engine's estimates, do not take it low; and
-# a stretch of hard text moves it a little. (Recovering toward the prior
-# instead, at 16 requests a model deciding every step found full chains
-# worth 1.02-1.2x plain every 28 steps, at 0.8 a position where verified
-# rounds accepted 0.65-0.77: each such round ran about 0.8x, and the
-# model's steps 0.944x plain against 0.989x for plain steps on the same
-# engine; so, 0.976x.)
+# estimates recover toward (the prior before any round). Rounds verified
+# alone count, so the cuts of a high load, which count as misses in the
+# engine's estimates, do not take them low; and a stretch of hard text
+# moves them a little. (Recovering toward the prior instead, at 16
+# requests a model deciding every step found full chains worth 1.02-1.2x
+# plain every 28 steps, at 0.8 a position where verified rounds accepted
+# 0.65-0.77: each such round ran about 0.8x, and the model's steps 0.944x
+# plain against 0.989x for plain steps on the same engine; so, 0.976x.)
 LONG_ALPHA = 0.01
 # A plain choice the costs made by a wide margin holds for the next steps
 # at the same load, one step per HOLD_PER_STEP of the margin (the best
@@ -352,7 +352,7 @@ class SpecPlanner:
     def _recover(self) -> None:
         """A step the costs made plain: the engine-wide rates move toward the
         long-run ones."""
-        self.rates = [r + PRIOR_DRIFT * (g - r) for r, g in zip(self.rates, self.long_rates)]
+        self.rates = [r + RECOVER_DRIFT * (g - r) for r, g in zip(self.rates, self.long_rates)]
 
     def holds_plain(self, requests: int, extra: int) -> bool:
         """Whether the costs' last plain choice holds for the next step (its
