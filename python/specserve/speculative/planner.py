@@ -232,12 +232,13 @@ class SpecPlanner:
         scale = self.committed.value / max(self.predicted.value, 1e-12)
         self._credit += predicted * scale - committed
         self._judge(own, accepted, min(committed, max(verified, drafted or 0)))
-        long = self.long_rates
-        for j in range(min(committed, verified)):
-            long[j] += LONG_ALPHA * ((1.0 if j < accepted else 0.0) - long[j])
-        for j in range(min(committed, verified, len(confidence or ()))):
-            self.cal_acc[j].add(1.0 if j < accepted else 0.0)
-            self.cal_conf[j].add(confidence[j])
+        long, heads = self.long_rates, len(confidence or ())
+        for j in range(min(committed, verified)):  # the verified positions
+            hit = 1.0 if j < accepted else 0.0
+            long[j] += LONG_ALPHA * (hit - long[j])
+            if j < heads:
+                self.cal_acc[j].add(hit)
+                self.cal_conf[j].add(confidence[j])
         return own
 
     def observe_cut(self, own: list[float] | None) -> list[float]:
