@@ -82,6 +82,34 @@ def test_a_verifying_step_is_corrected_apart_from_a_plain_one_of_its_tokens() ->
     assert model.step_seconds(16, 16 * 8, verify=True) == pytest.approx(0.017, rel=0.02)
 
 
+def test_what_speculation_adds_follows_the_plain_steps_of_its_load() -> None:
+    """The machine's speed moves by 10-30% over seconds. Verifying steps and
+    drafting rounds are measured only while the model drafts, plain steps
+    all the time: a stretch of slow drafting rounds, priced on its own,
+    stayed dear after the machine sped up again, the model drafted no
+    more, and nothing corrected it (at 4 requests the verify priced at 1.4x
+    what it took). Priced relative to the plain steps of their load, they
+    follow the machine as plain steps measure it."""
+    draft = CostTable([1, 8], [1], [[0.005], [0.008]])
+    model = CostModel(CostTable([1, 64], [1, 64], [[0.010, 0.010], [0.010, 0.010]]), draft)
+    slow = 1.3
+    for _ in range(100):  # drafting every other step on a slow machine
+        model.observe_step(4, 4, 0.010 * slow, learn=True)
+        model.observe_step(4, 32, 0.014 * slow, learn=True, verify=True)
+        model.observe_draft(4, 0.009 * slow)
+    assert model.step_seconds(4, 32, verify=True) == pytest.approx(0.014 * slow, rel=0.02)
+    assert model.draft_seconds(4) == pytest.approx(0.009 * slow, rel=0.02)
+    for _ in range(100):  # plain steps alone, the machine fast again
+        model.observe_step(4, 4, 0.010, learn=True)
+    assert model.step_seconds(4, 4) == pytest.approx(0.010, rel=0.02)
+    assert model.step_seconds(4, 32, verify=True) == pytest.approx(0.014, rel=0.02)
+    assert model.draft_seconds(4) == pytest.approx(0.009, rel=0.02)
+    # Another load's plain steps say nothing of this one's.
+    for _ in range(100):
+        model.observe_step(32, 32, 0.010 * slow, learn=True)
+    assert model.step_seconds(4, 32, verify=True) == pytest.approx(0.014, rel=0.02)
+
+
 def test_steps_with_prefill_chunks_are_corrected_apart_from_the_decoding_alone() -> None:
     """A chunk's tokens are one request's in a row, which the table (over
     requests' chains) prices cheap: at 63 requests, a plain cell measured

@@ -1,18 +1,28 @@
 """What the planner predicts a step and a drafting round cost: the
 profiled tables (``step_costs.py``) corrected online by what steps measure.
 
-The step's cost is the target table's, corrected per cell by an EWMA of
-log(measured / table) (a cell never measured: its row's, else the whole
-table's), a verifying step's apart from a plain one's and a step with
-prefill chunks apart from one without: the table times the forward alone,
-and a step that verifies pays per row besides (every row's logits
-processed, the chains verified and committed, their features handed to
-the drafter); a chunk's tokens are one request's in a row, which the
-table, profiled over requests' chains, does not price. The step's cost
-never falls with more drafts (cells apart may disagree). The drafter's
-round is its profiled table's, corrected the same way per requests
+A correction is an EWMA of log(measured / table) in two parts added: its
+load's (requests bucket, prefill chunks or not: ``_base``), and for what
+speculation adds, a verifying step's cells and the drafter's rounds,
+their shape against it (what they take beyond it; a verifying cell never
+measured: its row's, else every verifying step's). The table times the
+forward alone, and a step that verifies pays per row besides (every
+row's logits processed, the chains verified and committed, their
+features handed to the drafter); a chunk's tokens are one request's in a
+row, which the table, profiled over requests' chains, does not price.
+The step's cost never falls with more drafts (cells apart may disagree).
+The drafter's round is its profiled table's, corrected so per requests
 bucket, or without a profile measured online and priced by a power law
 where it was not.
+
+A load's correction follows its steps, plain or verifying: the machine's
+speed, which moves by 10-30% over seconds here; a shape follows only its
+own. So the steps that draft, measured only while the model drafts,
+follow the machine as the plain steps measure it. (Each cell corrected
+on its own, a stretch of slow verifying steps priced them dear long
+after the machine sped up again, the model stopped drafting, and nothing
+measured them again: at 4 requests the verify priced at 1.4x what it
+took, the engine plain where its fixed length ran 1.11-1.15x plain.)
 """
 
 from __future__ import annotations
@@ -93,30 +103,33 @@ class CostModel:
 
     def reset(self) -> None:
         """Forgets every correction; the profiled tables stay."""
-        # log(measured / profiled) per cell: an EWMA in logs, so an outlier
-        # moves it by a factor, not to itself. A cell never measured takes
-        # its requests bucket's (every cell of it measured so far), else the
-        # whole table's: a table wrong by one factor (profiled while another
-        # process ran) is right again as soon as any step is measured, the
-        # verify cells a plain engine never runs included. A cell's first
-        # measurement starts from that. Cells and rows are a verifying
-        # step's or a plain one's, with prefill chunks or without (``_cell``):
-        # at 16 requests a verifying step of about 70 tokens took 17 ms and
-        # a plain one with a prefill chunk as long 14 ms, and the chunks'
-        # steps, four in five of those measured in the cell, priced the
-        # verify at theirs. At 63 requests a plain step's cell, mostly
-        # measured with a chunk, priced the decoding alone 1.6x its
-        # verifying neighbour's, and a draft looked as if it made the step
-        # cheaper: the model drafted one token a step, 0.95x plain.
-        self.correction: dict[Cell, Ewma] = {}
-        self.row_correction: dict[tuple[bool, bool, int], Ewma] = {}
+        # log(measured / profiled), EWMAs in logs, so that an outlier moves
+        # them by a factor, not to itself. Per load (requests bucket, prefill
+        # chunks or not: ``base``), its steps', less a verifying one's shape;
+        # a load never measured takes every step's (``table_correction``): a
+        # table wrong by one factor (profiled while another process ran) is
+        # right again as soon as any step is measured. Per verifying cell, its
+        # steps' beyond their load's (``correction``, the shape; a cell never
+        # measured takes its row's, else every verifying step's,
+        # ``verify_correction``). A step with prefill chunks is a load apart:
+        # at 16 requests a verifying step of about 70 tokens took 17 ms and a
+        # plain one with a prefill chunk as long 14 ms, and the chunks' steps,
+        # four in five of those measured in the cell, priced the verify at
+        # theirs; at 63 requests a plain step's correction, measured mostly
+        # with a chunk, priced the decoding alone 1.6x its verifying
+        # neighbour's, and a draft looked as if it made the step cheaper: the
+        # model drafted one token a step, 0.95x plain.
+        self.base: dict[tuple[bool, int], Ewma] = {}
         self.table_correction = Ewma(value=0.0)
-        # By drafting-requests bucket: log(measured / profiled) with a
-        # profile (as the step's cells; a bucket never measured takes the
-        # drafter's other buckets', else the target table's), else the
+        self.correction: dict[Cell, Ewma] = {}
+        self.row_correction: dict[tuple[bool, int], Ewma] = {}
+        self.verify_correction = Ewma(value=0.0)
+        # By drafting-requests bucket: with a profile, the round's shape
+        # against the load of as many requests (as a cell's; a bucket never
+        # measured takes the drafter's, ``draft_correction``), else the
         # seconds themselves.
         self.draft_cost: dict[int, Ewma] = {}
-        self.draft_correction: Ewma | None = None
+        self.draft_correction = Ewma(value=0.0)
         # Steps measured, not yet corrected by (``observe_step``), and the
         # seconds predicted of those that were.
         self._waiting: list[tuple[int, int, float, bool, bool, bool]] = []
@@ -209,24 +222,39 @@ class CostModel:
             if not learn:
                 continue
             x = math.log(max(seconds, 1e-12) / max(raw, 1e-12))
-            fix = self.correction.get(cell)
-            if fix is None:
-                fix = self.correction[cell] = Ewma(value=self._correction_of(cell).value)
-            row = self.row_correction.get(cell[:3])
-            if row is None:
-                row = self.row_correction[cell[:3]] = Ewma(value=self.table_correction.value)
-            for each in (fix, row, self.table_correction):
-                each.add_log(x)
+            load = (chunk, cell[2])
+            base = self.base.get(load)
+            if base is None:
+                base = self.base[load] = Ewma(value=self.table_correction.value)
+            shapes: tuple[Ewma, ...] = ()
+            if verify:
+                fix = self.correction.get(cell)
+                if fix is None:
+                    fix = self.correction[cell] = Ewma(value=self._shape_of(cell))
+                row = self.row_correction.get(load)
+                if row is None:
+                    row = self.row_correction[load] = Ewma(value=self.verify_correction.value)
+                shapes = (fix, row, self.verify_correction)
+            shape = (shapes[0].value or 0.0) if shapes else 0.0
+            self.table_correction.add_log(x - shape)
+            base.add_log(x - shape)
+            for each in shapes:  # by what the load's correction left
+                each.add_log(x - (base.value or 0.0))
 
     def _factor(self, cell: Cell) -> float:
         """The measured / table factor of a cell (1 before any measurement)."""
-        fix = self._correction_of(cell)
-        return math.exp(fix.value) if fix.value else 1.0
+        log = self._base(cell[1], cell[2]) + (self._shape_of(cell) if cell[0] else 0.0)
+        return math.exp(log) if log else 1.0
 
-    def _correction_of(self, cell: Cell) -> Ewma:
-        """A cell's correction, or what stands in for it (see ``reset``)."""
-        fix = self.correction.get(cell) or self.row_correction.get(cell[:3])
-        return fix or self.table_correction
+    def _base(self, chunk: bool, requests_bucket: int) -> float:
+        """The correction of a load (``requests_bucket``, with prefill chunks
+        or not; never measured: every step's)."""
+        return (self.base.get((chunk, requests_bucket)) or self.table_correction).value or 0.0
+
+    def _shape_of(self, cell: Cell) -> float:
+        """A verifying cell's shape, or what stands in for it (see ``reset``)."""
+        fix = self.correction.get(cell) or self.row_correction.get((cell[1], cell[2]))
+        return (fix or self.verify_correction).value or 0.0
 
     # ---- the drafter's round ---------------------------------------------------------
 
@@ -274,8 +302,8 @@ class CostModel:
         if not extra or not self.draft_row:
             return 0.0
         self._settle()
-        fix = self.draft_correction or self.table_correction
-        return self.draft_row * extra * (math.exp(fix.value) if fix.value else 1.0)
+        log = (self.table_correction.value or 0.0) + (self.draft_correction.value or 0.0)
+        return self.draft_row * extra * (math.exp(log) if log else 1.0)
 
     def observe_draft(self, n: int, seconds: float, pending: int = 0) -> None:
         """A round for ``n`` requests in ``seconds``, with ``pending`` rows past
@@ -288,18 +316,17 @@ class CostModel:
         predicted = self.draft_costs(n, n) + self.draft_row * pending
         self._settle()
         x = math.log(max(seconds, 1e-12) / max(predicted, 1e-12))
-        start = (self.draft_correction or self.table_correction).value
-        if self.draft_correction is None:
-            self.draft_correction = Ewma(value=start)
-        self.draft_cost.setdefault(bucket(n), Ewma(value=start)).add_log(x)
+        b = bucket(n)
+        x -= self._base(False, b)  # the round's shape against its load's
+        self.draft_cost.setdefault(b, Ewma(value=self.draft_correction.value)).add_log(x)
         self.draft_correction.add_log(x)
 
     def _draft_factor(self, b: int) -> float:
         """A profiled drafter's measured / profiled factor in requests bucket
-        ``b`` (one never measured: the drafter's other buckets', else the
-        target table's)."""
-        fix = self.draft_cost.get(b, self.draft_correction or self.table_correction)
-        return math.exp(fix.value) if fix.value else 1.0
+        ``b``: the load's (``_base``) and the round's shape against it (a
+        bucket never measured: the drafter's)."""
+        log = self._base(False, b) + (self.draft_cost.get(b, self.draft_correction).value or 0.0)
+        return math.exp(log) if log else 1.0
 
     def _draft_buckets(self, top: int) -> list[float]:
         """An unprofiled drafter's seconds per requests bucket 0 .. ``top``:
