@@ -110,6 +110,26 @@ def test_what_speculation_adds_follows_the_plain_steps_of_its_load() -> None:
     assert model.step_seconds(4, 32, verify=True) == pytest.approx(0.014, rel=0.02)
 
 
+def test_a_stall_while_drafting_does_not_price_drafting_out_for_good() -> None:
+    """A verifying step or a drafting round that stalled moves its shape by
+    a factor of 2 ** ALPHA at most: shapes are measured only while the
+    model drafts, so a shape a stall took dear would stand, the model
+    plain. The load's correction takes the rest, and plain steps take it
+    back."""
+    draft = CostTable([1, 8], [1], [[0.005], [0.008]])
+    model = CostModel(CostTable([1, 64], [1, 64], [[0.010, 0.010], [0.010, 0.010]]), draft)
+    for _ in range(100):
+        model.observe_step(4, 4, 0.010, learn=True)
+        model.observe_step(4, 32, 0.014, learn=True, verify=True)
+        model.observe_draft(4, 0.009)
+    model.observe_step(4, 32, 0.014 * 20, learn=True, verify=True)  # a stall each
+    model.observe_draft(4, 0.009 * 20)
+    for _ in range(30):  # plain steps alone
+        model.observe_step(4, 4, 0.010, learn=True)
+    assert model.step_seconds(4, 32, verify=True) < 0.014 * 2**0.1 * 1.01
+    assert model.draft_seconds(4) < 0.009 * 2**0.1 * 1.01
+
+
 def test_steps_with_prefill_chunks_are_corrected_apart_from_the_decoding_alone() -> None:
     """A chunk's tokens are one request's in a row, which the table (over
     requests' chains) prices cheap: at 63 requests, a plain cell measured

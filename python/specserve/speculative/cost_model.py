@@ -43,6 +43,11 @@ DRAFT_SLOPE = 0.5
 # factor off its current prediction (a first launch, a stall), whatever it
 # measured; measurements that keep saying so move it on, by any factor.
 MAX_CORRECTION = 16.0
+# ... and a shape (``CostModel.reset``) at most this factor: shapes are
+# measured only while the model drafts, so a stall that priced them dear
+# would stand until it drafted again, which a price too dear forbids; a
+# load's correction, which plain steps measure too, takes the rest.
+MAX_SHAPE_CORRECTION = 2.0
 # Measured steps wait and correct the table in order when it is next read,
 # or once this many wait: one step's correction, run alone right after its
 # forward, finds its objects out of the caches (30 us of a 7 ms step at 4
@@ -79,10 +84,10 @@ class Ewma:
         self.value = x if self.value is None else self.value + ALPHA * (x - self.value)
         self.count += 1
 
-    def add_log(self, x: float) -> None:
-        """A log-ratio, its step from the current value at most log(MAX_CORRECTION)."""
+    def add_log(self, x: float, most: float = MAX_CORRECTION) -> None:
+        """A log-ratio, its step from the current value at most log(``most``)."""
         assert self.value is not None
-        limit = math.log(MAX_CORRECTION)
+        limit = math.log(most)
         self.value += ALPHA * min(max(x - self.value, -limit), limit)
         self.count += 1
 
@@ -239,7 +244,7 @@ class CostModel:
             self.table_correction.add_log(x - shape)
             base.add_log(x - shape)
             for each in shapes:  # by what the load's correction left
-                each.add_log(x - (base.value or 0.0))
+                each.add_log(x - (base.value or 0.0), MAX_SHAPE_CORRECTION)
 
     def _factor(self, cell: Cell) -> float:
         """The measured / table factor of a cell (1 before any measurement)."""
@@ -318,8 +323,9 @@ class CostModel:
         x = math.log(max(seconds, 1e-12) / max(predicted, 1e-12))
         b = bucket(n)
         x -= self._base(False, b)  # the round's shape against its load's
-        self.draft_cost.setdefault(b, Ewma(value=self.draft_correction.value)).add_log(x)
-        self.draft_correction.add_log(x)
+        fix = self.draft_cost.setdefault(b, Ewma(value=self.draft_correction.value))
+        for each in (fix, self.draft_correction):
+            each.add_log(x, MAX_SHAPE_CORRECTION)
 
     def _draft_factor(self, b: int) -> float:
         """A profiled drafter's measured / profiled factor in requests bucket
