@@ -341,7 +341,7 @@ class SpecPlanner:
                 self.cost.catch_up_seconds(p) / min(max(n / (1 + sum(s)), 1.0), CATCH_UP_ROUNDS)
                 for p, s, n in zip(pending, survival, left)
             ]
-        lengths, worth = rated_drafts(survival, curve, draft, self._margin(), join, free)
+        lengths, worth = rated_drafts(survival, curve, draft, MARGIN, join, free)
         self._hold = None
         if any(limits) and not any(lengths):  # the costs chose plain: the estimates recover
             self._recover()
@@ -349,18 +349,6 @@ class SpecPlanner:
             if held > 0:
                 self._hold = (_load_key(requests, extra), held)
         return lengths
-
-    def _margin(self) -> float:
-        """How much more goodput a choice with drafts must promise than plain:
-        MARGIN, or while the safety net explores the model, none at all
-        (-1: the best choice with drafts). An exploration that the costs
-        made plain would measure plain against plain and say nothing, and
-        the prices that made it plain, the drafting's, are measured only
-        when it drafts: a start that a busy machine made look dear (a
-        bucket starting plain from a neighbour's verdict, at 4 requests)
-        kept the model plain through every exploration, 0.98x plain where
-        the fixed length ran 1.11x."""
-        return -1.0 if self.net.exploring() else MARGIN
 
     def _recover(self) -> None:
         """A step the costs made plain: the engine-wide rates move toward the
@@ -373,7 +361,7 @@ class SpecPlanner:
         anchors, as ``before_draft`` takes them; see HOLD_PER_STEP), which
         is then plain as if decided afresh."""
         hold = self._hold
-        if hold is None or hold[0] != _load_key(requests, extra) or self.net.exploring():
+        if hold is None or hold[0] != _load_key(requests, extra):
             self._hold = None
             return False
         self._hold = (hold[0], hold[1] - 1) if hold[1] > 1 else None
@@ -402,8 +390,7 @@ class SpecPlanner:
         curve = self.cost.step_curve(
             requests, fixed_tokens, sum(map(len, survival)) + 1, chunk=chunk
         )
-        explore = self.gate and self.net.exploring()  # the best with drafts (``_margin``)
-        return choose_drafts(survival, [t + paid for t in curve], margin=-1.0 if explore else 0.0)
+        return choose_drafts(survival, [t + paid for t in curve])
 
     def regime(self, requests: int) -> str:
         """Who decides the next step (at ``requests`` running): the safety net's."""

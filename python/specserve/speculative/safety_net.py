@@ -333,14 +333,6 @@ class SafetyNet:
             block = self.block = Block(net, regime, net.block_steps(regime) + settle, settle)
         return block.regime
 
-    def exploring(self) -> bool:
-        """Whether the block in progress is the model's while plain holds its
-        bucket (an exploration, see ``SpecPlanner.before_draft``)."""
-        block = self.block
-        if block is None or block.regime != MODEL:
-            return False
-        return block.net.judged and block.net.winner() == PLAIN
-
     def _neighbours_lead(self, b: int) -> float | None:
         """A new bucket's prior: speculation gains less the more requests share
         a step, so plain winning at a lighter load, or the model at a heavier
