@@ -103,8 +103,8 @@ def test_the_choice_is_the_best_of_every_prefix_combination(seed, scan, monkeypa
 @pytest.mark.parametrize("seed", range(4))
 def test_the_array_scan_chooses_as_the_list_scan(seed, monkeypatch) -> None:
     """Past the brute force's reach (up to 64 requests of 7 drafts, ties,
-    prompt lookup, requests dear to join), both scans choose alike and
-    rate the choice alike to the last bit."""
+    prompt lookup, requests dear to join, drafts a cut may drop), both
+    scans choose alike and rate the choice alike to the last bit."""
     import random
 
     rng = random.Random(seed)
@@ -119,8 +119,9 @@ def test_the_array_scan_chooses_as_the_list_scan(seed, monkeypatch) -> None:
         drafts = [0.0] + [rng.uniform(0.0, 0.01) * k**0.5 for k in range(1, r + 1)]
         join = [rng.choice([0.0, rng.uniform(0, 0.005)]) for _ in range(r)]
         free = [rng.random() < 0.3 for _ in range(r)] if rng.random() < 0.3 else None
+        fed = [rng.uniform(0.2, 1.0) for _ in range(width)] if rng.random() < 0.5 else None
         got = []
         for threshold in (10**9, 0):
             monkeypatch.setattr(draft_choice, "NUMPY_DRAFTS", threshold)
-            got.append(rated_drafts(survival, steps, drafts, MARGIN, join, free))
+            got.append(rated_drafts(survival, steps, drafts, MARGIN, join, free, fed))
         assert got[0] == got[1]

@@ -516,6 +516,42 @@ def test_estimates_before_drafting_predict_what_rounds_commit_after_the_cut() ->
     assert predicted > 1.15 * committed
 
 
+def test_a_step_that_drafts_is_priced_at_the_verify_its_cut_will_run() -> None:
+    """A drafter with a confidence head drafts whole chains, which
+    ``after_draft`` cuts; the estimates count a cut draft as a miss (the
+    test above), so they predict what the cut rounds commit, and the verify
+    must be priced as cut too. Here the cut keeps every draft of half the
+    rounds and the first draft of the others: priced as drafted, no choice
+    beats plain; priced at the drafts the cut keeps (by brute force over
+    the choices), drafting wins by a fifth, and the planner drafts."""
+    table = CostTable([1], [1, 5], [[1.0, 3.0]])  # 1 .. 5 tokens: 0.5 s a draft
+    drafter = CostTable([1], [1], [[0.5]])
+    planner = SpecPlanner(4, table, draft_costs=drafter)
+    confident, unsure = [0.99] * 4, [0.99, 0.01, 0.01, 0.01]
+    assert planner.after_draft([confident], 1, 1) == [4]
+    assert planner.after_draft([unsure], 1, 1) == [1]
+    for _ in range(40):
+        planner.after_draft([confident], 1, 1)
+        planner.after_draft([unsure], 1, 1)
+    kept = planner.kept[load_bucket(1)]
+    assert kept[0] == pytest.approx(1.0) and kept[1:] == pytest.approx([0.5] * 3, abs=0.06)
+
+    own = [0.8] * 4
+    survival = survival_of(own)
+
+    def best(shares: list[float]) -> float:
+        """The best rate with drafts over plain's, each draft fed at its share."""
+        return max(
+            (1 + sum(survival[:b])) / (table(1, 1 + sum(shares[:b])) + 0.5) for b in range(1, 5)
+        ) / (1 / table(1, 1))
+
+    assert best([1.0] * 4) < 1 + MARGIN < 1.15 < best([1.0, 0.5, 0.5, 0.5])
+    planner.net = SafetyNet()  # the model's decision, not the safety net's
+    assert planner.before_draft([own], [4], 1, 0) == [4]
+    planner.kept.clear()  # a load whose cut was never seen: priced as drafted
+    assert planner.before_draft([own], [4], 1, 0) == [0]
+
+
 def test_a_request_whose_drafts_were_all_cut_counts_a_miss() -> None:
     planner = flat_planner()
     own = planner.observe_cut([0.8] * 4)

@@ -33,6 +33,7 @@ def rated_drafts(
     margin: float = 0.0,
     join_seconds: Sequence[float] | None = None,
     free: Sequence[bool] | None = None,
+    fed: Sequence[float] | None = None,
 ) -> tuple[list[int], float]:
     """Drafts to verify per request, maximising expected tokens per second,
     and the best choice with drafts' worth over the plain step's.
@@ -44,7 +45,11 @@ def rated_drafts(
     context to catch up). A choice with drafts must beat the plain step by
     ``margin`` (relative). ``free[i]``: request ``i``'s drafts are found
     already (prompt lookup), so it joins without the drafter (and without
-    its context to catch up).
+    its context to catch up). ``fed[j - 1]``: the tokens a request's j-th
+    draft adds to the verify, expected (fewer than one where a refinement
+    by confidences will cut some: ``SpecPlanner.after_draft``); the step
+    costs ``steps`` interpolated at the drafts' expected tokens (None: one
+    each).
 
     The global top-B ranks drafts by S alone, so a request dear to join
     either joins as soon as its first draft ranks or, left out, keeps the
@@ -60,7 +65,7 @@ def rated_drafts(
             join[i] = 0.0
     plain_rate = r / max(steps[0], 1e-12)
     big = sum(map(len, survival)) >= NUMPY_DRAFTS
-    scan = (_ArrayScan if big else _ListScan)(survival, steps, drafts, join, drafter)
+    scan = (_ArrayScan if big else _ListScan)(survival, steps, drafts, join, drafter, fed)
     plain = plain_rate * (1.0 + margin)
     best_seen = 0.0  # the best rate with drafts, over every choice tried
 
@@ -92,21 +97,28 @@ class _ListScan:
     drafts of a step at a low load, numpy's per-call overhead cost more
     than the scan (30 us against 6.5 at one request of 7 drafts)."""
 
-    def __init__(self, survival, steps, drafts, join, drafter) -> None:
+    def __init__(self, survival, steps, drafts, join, drafter, fed) -> None:
         # Every draft, ranked: by S descending, then j, then i (a request's
         # first draft ranks before its others, so it is where the request joins).
         self.ranked = sorted(
             (-x, j, i) for i, row in enumerate(survival) for j, x in enumerate(row, 1)
         )
-        self.r, self.steps, self.drafts, self.join, self.drafter = (
-            len(survival), steps, drafts, join, drafter,
+        self.r, self.steps, self.drafts, self.join, self.drafter, self.fed = (
+            len(survival), steps, drafts, join, drafter, fed,
         )  # fmt: skip
 
     def best(self, out: set[int]) -> tuple[list[int], float]:
         """The best top-B of the drafts of requests not in ``out`` (B >= 1)
         and its rate (-1 with no drafts)."""
-        steps, drafts, join, drafter = self.steps, self.drafts, self.join, self.drafter
+        steps, drafts, join, drafter, fed = (
+            self.steps,
+            self.drafts,
+            self.join,
+            self.drafter,
+            self.fed,
+        )
         tokens, drafting, joined, b, top, top_b = float(self.r), 0, 0.0, 0, -1.0, 0
+        verified = 0.0  # the drafts' expected tokens in the verify
         for neg_s, j, i in self.ranked:
             if i in out:
                 continue
@@ -115,7 +127,12 @@ class _ListScan:
             if j == 1 and drafter[i]:
                 drafting += 1
                 joined += join[i]
-            rate = tokens / max(steps[b] + drafts[drafting] + joined, 1e-12)
+            if fed is None:
+                step = steps[b]
+            else:
+                verified += fed[j - 1]
+                step = _step_at(steps, verified)
+            rate = tokens / max(step + drafts[drafting] + joined, 1e-12)
             if rate > top:
                 top, top_b = rate, b
         chosen = [0] * self.r
@@ -134,7 +151,7 @@ class _ArrayScan:
     64 requests in Python, 0.2 ms so (from about 64 drafts it is the
     faster)."""
 
-    def __init__(self, survival, steps, drafts, join, drafter) -> None:
+    def __init__(self, survival, steps, drafts, join, drafter, fed) -> None:
         lens = np.fromiter(map(len, survival), dtype=np.int64, count=len(survival))
         n = int(lens.sum())
         s = np.fromiter((x for row in survival for x in row), dtype=np.float64, count=n)
@@ -147,6 +164,7 @@ class _ArrayScan:
         self.drafts = np.asarray(drafts, dtype=np.float64)
         self.join = np.asarray(join, dtype=np.float64)
         self.drafter = np.asarray(drafter, dtype=bool)
+        self.fed = None if fed is None else np.asarray(fed, dtype=np.float64)
 
     def best(self, out: set[int]) -> tuple[list[int], float]:
         s, i, j = self.s, self.i, self.j
@@ -160,12 +178,26 @@ class _ArrayScan:
         first = (j == 1) & self.drafter[i]
         tokens = np.cumsum(np.concatenate(([float(self.r)], s)))[1:]
         joined = np.cumsum(np.where(first, self.join[i], 0.0))
-        cost = self.steps[1 : len(s) + 1] + self.drafts[np.cumsum(first)] + joined
+        if self.fed is None:
+            step = self.steps[1 : len(s) + 1]
+        else:  # as the list's scan: summed in rank order, then interpolated
+            verified = np.cumsum(self.fed[j - 1])
+            lo = verified.astype(np.int64)  # (non-negative: the floor)
+            hi = np.minimum(lo + 1, len(self.steps) - 1)
+            step = self.steps[lo] + (self.steps[hi] - self.steps[lo]) * (verified - lo)
+        cost = step + self.drafts[np.cumsum(first)] + joined
         rate = tokens / np.maximum(cost, 1e-12)
         b = int(np.argmax(rate))  # the first of equal rates, as the list's scan
         chosen = np.zeros(self.r, dtype=np.int64)
         np.maximum.at(chosen, i[: b + 1], j[: b + 1])
         return chosen.tolist(), float(rate[b])  # host read: numpy, no device
+
+
+def _step_at(steps: Sequence[float], x: float) -> float:
+    """``steps`` at ``x`` drafts, linear between whole ones."""
+    lo = int(x)
+    hi = min(lo + 1, len(steps) - 1)
+    return steps[lo] + (steps[hi] - steps[lo]) * (x - lo)
 
 
 def survival_of(rates: Sequence[float]) -> list[float]:
