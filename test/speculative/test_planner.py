@@ -23,7 +23,6 @@ from specserve.speculative.safety_net import (
     EXPLORE_MIN,
     FIRST_PAIRS,
     NET_WINDOW,
-    PLAIN,
     PROBE_STEPS,
     SETTLE_STEPS,
     SafetyNet,
@@ -596,24 +595,6 @@ def test_estimates_recover_while_nobody_drafts() -> None:
     flat = flat_planner()
     flat.rates = steep.rates
     assert any(flat.before_draft([None], [4], 1, 0))
-
-
-def test_the_nets_plain_steps_recover_the_estimates_and_end_a_held_choice() -> None:
-    """The safety net's plain steps are plain steps as the costs' own are:
-    the estimates recover toward the long-run ones through them (a model
-    handed a bucket back after the net's plain blocks starts from them, not
-    from the hard text before the blocks), and a plain choice the costs
-    held before a block of the net's does not outlast it."""
-    steep = SpecPlanner(4, CostTable([1, 64], [1, 8], [[1.0, 8.0], [64.0, 512.0]]))
-    steep.rates = [0.05] * 4
-    assert not any(steep.before_draft([None], [4], 1, 0))
-    assert steep._hold is not None  # the costs' plain choice, by a wide margin
-    steep.regime = lambda requests: PLAIN  # the net's plain block
-    for _ in range(1000):
-        assert steep.forced_plain(1)
-    del steep.regime
-    assert not steep.holds_plain(1, 0)
-    assert steep.rates == pytest.approx([PRIOR] * 4, abs=0.01)
 
 
 def test_estimates_recover_toward_what_verified_rounds_accepted() -> None:

@@ -436,13 +436,6 @@ class SpecPlanner:
         if not self.gate or self.regime(requests) != PLAIN:
             return False
         self.stats.forced_plain += 1
-        # The estimates recover as through the costs' own plain steps (the
-        # model handed the bucket back starts from them, not from the text
-        # before the net's block; at 4 requests, DSPARK in lockstep after 1
-        # and 2 requests ran 1.043x plain against 0.989x without), and a
-        # plain choice held from before the block ends with it.
-        self._hold = None
-        self._recover()
         return True
 
     # ---- measurements ----------------------------------------------------------------
