@@ -207,9 +207,9 @@ class SpecPlanner:
         # ``after_draft``'s cut by confidences keeps for the verify: a step
         # that drafts is priced with the verify it will run. (Priced whole,
         # as drafted, where the estimates count a cut draft as a miss, at 4
-        # requests a DSPARK round was priced a verify of 32 tokens, 13.4
+        # requests a DSPARK round was priced a verify of 32 tokens, 13.8
         # ms, where it ran 22, 12.2 ms: drafting looked worth 1.13x plain
-        # where it ran 1.27x, and a third of the steps went plain.)
+        # where it ran 1.27x, and 38% of the decisions there were plain.)
         self.kept: dict[int, list[float]] = {}
         # A plain choice held: its load (``_load_key``), steps left.
         self._hold: tuple[tuple[int, int], int] | None = None
