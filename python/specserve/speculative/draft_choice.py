@@ -110,13 +110,8 @@ class _ListScan:
     def best(self, out: set[int]) -> tuple[list[int], float]:
         """The best top-B of the drafts of requests not in ``out`` (B >= 1)
         and its rate (-1 with no drafts)."""
-        steps, drafts, join, drafter, fed = (
-            self.steps,
-            self.drafts,
-            self.join,
-            self.drafter,
-            self.fed,
-        )
+        steps, drafts, join, drafter = self.steps, self.drafts, self.join, self.drafter
+        fed = self.fed
         tokens, drafting, joined, b, top, top_b = float(self.r), 0, 0.0, 0, -1.0, 0
         verified = 0.0  # the drafts' expected tokens in the verify
         for neg_s, j, i in self.ranked:
