@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -80,6 +81,12 @@ def _serving_calls(monkeypatch) -> list[int]:
     return calls
 
 
+def force_packed(monkeypatch) -> None:
+    """Makes the packed path the faster one at every row count, whatever this
+    CPU timed (``packed_rows``)."""
+    monkeypatch.setattr(linear_mod, "packed_rows", lambda *shape: (True,) * linear_mod.ROW_CLASSES)
+
+
 def force_f_linear(monkeypatch) -> None:
     """Makes this CPU behave like one whose oneDNN packs nothing (an AVX2-only
     CPU refuses bfloat16): every linear must fall back to ``F.linear``."""
@@ -97,6 +104,7 @@ def test_serving_linears_run_packed_and_equal_f_linear(monkeypatch, path, dtype,
     is packed, nothing fails, and every linear is ``F.linear`` itself."""
     if path == "packed" and not linear_mod.onednn_packs(dtype):
         pytest.skip(f"this CPU's oneDNN cannot pack {dtype} weights")
+    force_packed(monkeypatch)
     if path == "fallback":
         force_f_linear(monkeypatch)
     g = torch.Generator().manual_seed(2)
@@ -180,6 +188,52 @@ def test_packed_matmuls_run_at_a_few_row_counts_and_give_the_same_values(
         blocks = torch.randn(3, 7, 64, generator=g).to(dtype)  # [blocks, rows, in]: 21 rows
         got = linear_mod.packed_linear(blocks, packed, b)
         assert got.shape == (3, 7, 96) and torch.equal(got, real(blocks, packed, b, "none", [], ""))
+
+
+@pytest.mark.skipif(not linear_mod.onednn_packs(torch.float32), reason="oneDNN packs nothing here")
+def test_each_row_count_takes_the_path_timed_faster_for_its_weight_shape(monkeypatch) -> None:
+    """A serving matmul runs packed only where its weight shape's row class
+    timed the packed path faster (here: 16 rows and more for one shape, never
+    for another), else ``F.linear``; the values agree either way."""
+    from_16 = tuple(c >= 4 for c in range(linear_mod.ROW_CLASSES))
+    choice = {(256, 256): from_16, (512, 256): (False,) * linear_mod.ROW_CLASSES}
+    monkeypatch.setattr(linear_mod, "packed_rows", lambda out, inp, dtype: choice[out, inp])
+    g = torch.Generator().manual_seed(5)
+    lin, wide = Linear(256, 256), Linear(256, 512)
+    for m in (lin, wide):
+        with torch.no_grad():
+            m.weight.copy_(torch.randn(m.weight.shape, generator=g))
+        m.post_load()
+    calls = _serving_calls(monkeypatch)
+    for rows, packed in ((1, 0), (8, 0), (15, 0), (16, 1), (40, 1), (5000, 1)):
+        x = torch.randn(rows, 256, generator=g)
+        for m, runs in ((lin, packed), (wide, 0)):
+            calls.clear()
+            with torch.inference_mode():
+                got = m.forward(x)
+            assert len(calls) == runs, (rows, m.weight.shape)
+            want = F.linear(x, m.weight, m.bias)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not linear_mod.onednn_packs(torch.float32), reason="oneDNN packs nothing here")
+def test_the_timing_keeps_whichever_path_ran_faster_per_row_class(monkeypatch) -> None:
+    """``packed_rows`` times both paths: a packed matmul made slow from 16 rows
+    on (and instant below) loses exactly the classes from 16 rows on."""
+    instant = torch.zeros(1)
+
+    def packed_matmul(x, packed):
+        if x.shape[0] >= 16:
+            time.sleep(0.002)  # F.linear of 16-256 rows by 256 x 256: well under 2 ms
+            return instant
+        return instant
+
+    monkeypatch.setattr(linear_mod, "packed_linear", packed_matmul)
+    timed = linear_mod.packed_rows.__wrapped__(256, 256, torch.float32)  # uncached
+    assert timed == tuple(c < 4 for c in range(linear_mod.ROW_CLASSES))
+    assert [linear_mod.row_class(r) for r in (1, 2, 3, 4, 15, 16, 255, 256, 10**6)] == [
+        0, 1, 1, 2, 3, 4, 7, 8, linear_mod.ROW_CLASSES - 1
+    ]  # fmt: skip
 
 
 def test_small_weights_stay_on_f_linear(monkeypatch) -> None:

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import functools
+import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -14,17 +16,29 @@ _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # (~15 us here, against ~5 us for F.linear on a 256 x 256 weight at one row)
 # outweighs the matmul. Every projection of the demo target is this big.
 PACK_MIN_ELEMENTS = 1 << 16
+# Which of the two is faster depends on the CPU and the rows: on an AMD
+# Zen 5 the packed matmul ran 1.5-4x faster than F.linear (MKL) at 2-16
+# rows; on an Intel Xeon, F.linear ran 2-3x faster at 1-8 rows and the
+# packed one about 2x faster at 16-32 (the demo's plain decoding 1.2-1.5x
+# faster at one request by F.linear, a little slower at 16). So each
+# weight shape is timed both ways once per process (``packed_rows``), at
+# 1, 2, 4, .. 2**(ROW_CLASSES - 1) rows, and a matmul takes its row
+# class's faster path (past the largest class, the largest's).
+ROW_CLASSES = 9
+# Each path's time is its fastest of this many calls, interleaved (the
+# first one also builds oneDNN's kernel for the row count).
+TIMING_ROUNDS = 7
 
 
 class PackedWeight:
     """oneDNN's pre-packed copy of a CPU linear weight, made once and rebuilt
-    when the weight changes (a reload, a training step). On this project's
-    CPUs a matmul over it runs 1.5-4x faster than ``F.linear`` at the 2-16
-    rows of verify chains, draft blocks and batched decode, and about as fast
-    at one row (faster for a vocabulary); float32 stays float32 throughout.
-    The checkpoint-layout weight stays the parameter (the loader, a tied
-    embedding, gradients and other devices use it), so CPU linear weights
-    are held twice."""
+    when the weight changes (a reload, a training step). Where it is the
+    faster path (``packed_rows``: on some CPUs 1.5-4x faster than
+    ``F.linear`` at the 2-16 rows of verify chains, draft blocks and batched
+    decode, on others slower at a few rows), a serving matmul runs over it;
+    float32 stays float32 throughout. The checkpoint-layout weight stays the
+    parameter (the loader, a tied embedding, gradients, other devices and
+    ``F.linear`` use it), so CPU linear weights are held twice."""
 
     __slots__ = ("_packed", "_of")
 
@@ -46,9 +60,12 @@ class PackedWeight:
         return self._packed
 
     def pack(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> None:
-        """Packs now (after loading), where serving will use the packed copy."""
-        if _packable(weight.device, dtype or weight.dtype, weight):
+        """Packs now (after loading), where serving will use the packed copy,
+        and times the weight's shape both ways (``packed_rows``) if not yet."""
+        dtype = dtype or weight.dtype
+        if _packable(weight.device, dtype, weight):
             self.get(weight, dtype)
+            packed_rows(weight.shape[0], weight.shape[1], dtype)
 
 
 @functools.cache
@@ -81,7 +98,7 @@ def cpu_matmul_path(dtype: torch.dtype) -> str:
     """How CPU linears in ``dtype`` run here (for the start-up log)."""
     name = str(dtype).removeprefix("torch.")
     if onednn_packs(dtype):
-        return f"{name} over oneDNN-packed weights"
+        return f"{name} over oneDNN-packed weights or by F.linear, as timed per shape and rows"
     return f"{name} by F.linear (this CPU's oneDNN cannot pack {name} weights)"
 
 
@@ -93,12 +110,51 @@ def _packable(device: torch.device, dtype: torch.dtype, weight: torch.Tensor) ->
 def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x`` times ``weight`` runs over the packed weight: on the CPU,
     eager, with nothing recording gradients (serving), for a weight of at
-    least ``PACK_MIN_ELEMENTS``."""
-    return (
-        not torch.is_grad_enabled()
-        and _packable(x.device, x.dtype, weight)
-        and not torch.compiler.is_compiling()
-    )
+    least ``PACK_MIN_ELEMENTS``, at a row count where that is the faster
+    path here (``packed_rows``)."""
+    if (
+        torch.is_grad_enabled()
+        or not _packable(x.device, x.dtype, weight)
+        or torch.compiler.is_compiling()
+    ):
+        return False
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return packed_rows(weight.shape[0], weight.shape[1], x.dtype)[row_class(rows)]
+
+
+def row_class(rows: int) -> int:
+    """The row class (``packed_rows``) of a matmul of ``rows`` rows:
+    rows 1, 2-3, 4-7, ..., the last class everything past it."""
+    return min(max(rows, 1).bit_length() - 1, ROW_CLASSES - 1)
+
+
+@functools.cache
+def packed_rows(out_features: int, in_features: int, dtype: torch.dtype) -> tuple[bool, ...]:
+    """Per row class (``row_class``), whether a packed matmul by a weight of
+    this shape runs at least as fast here as ``F.linear``, timed at the
+    class's fewest rows on random values: like ``onednn_packs``, a fact of
+    the machine, hence cached for the process (every weight of the shape,
+    every engine in it, alike). Both paths agree to float rounding, so a
+    near tie timed one way in one run and the other way in the next
+    changes no more than that. (With F.linear taking a class only when
+    15% faster, the demo's vocabulary head stayed packed at one row where
+    F.linear ran it faster in a whole step: 8% of plain decoding.)"""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    paths = ((packed_linear, packed), (F.linear, w))
+    wins = []
+    with torch.no_grad():
+        for c in range(ROW_CLASSES):
+            x = torch.randn(1 << c, in_features, generator=g).to(dtype)
+            best = [math.inf] * len(paths)
+            for _ in range(TIMING_ROUNDS):
+                for i, (matmul, weight) in enumerate(paths):
+                    start = time.perf_counter()
+                    matmul(x, weight)
+                    best[i] = min(best[i], time.perf_counter() - start)
+            wins.append(best[0] <= best[1])
+    return tuple(wins)
 
 
 # oneDNN builds and caches a JIT-compiled kernel, about 0.5 MB, for every
