@@ -63,47 +63,27 @@ def main() -> int:
     args = parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import specserve.layers.linear as linear
-    from bench_spec_load import held_out_prompts, spread_lengths
-    from bench_spec_lockstep import CONFIGS, ClosedLoop, format_row, measure, share_target_weights
-    from specserve import Engine
-    from specserve.assets import demo_path
+    from bench_spec_lockstep import demo_loops, format_row, measure
     from specserve.engine.engine import device_scope
 
-    most = max(args.concurrency)
-    prompts = held_out_prompts(max(4 * most, 64), args.input_len, None)
-    max_tokens = spread_lengths(len(prompts), args.output_len)
-    common = {
-        "model_path": demo_path("target"),
-        "device": "cpu",
-        "max_running_requests": most,
-        "max_total_tokens": most * (args.input_len + args.output_len + 64),
-    }
     # (engine name, its config, its policy): the packed plain engine first
     runs = [("plain", "plain", "packed"), ("plain-timed", "plain", "timed")]
     runs += [("plain-dense", "plain", "dense")]
     runs += [
         (f"{s}{sfx}", s, p) for s in args.spec for sfx, p in (("", "packed"), ("-timed", "timed"))
     ]
-    engines: dict[str, Any] = {}
-    for name, config, _ in runs:
-        kw = dict(CONFIGS.get(config, {}))
-        alg = kw.get("speculative_algorithm")
-        if alg in ("DSPARK", "DFLASH"):
-            kw["speculative_draft_model_path"] = demo_path(alg.lower())
-        engines[name] = Engine(**common, **kw)
-    share_target_weights(list(engines.values()))
+    loops = demo_loops([(name, config) for name, config, _ in runs], args)
     serving = linear.packs
-    loops = {n: ClosedLoop(e, prompts, max_tokens) for n, e in engines.items()}
     for name, _, policy in runs:
         loops[name].step = _under(loops[name].step, policy_packs(policy, serving), linear)
     try:
-        with device_scope(engines["plain"].runner.device):
+        with device_scope(loops["plain"].engine.runner.device):
             for c in args.concurrency:
                 print(format_row(measure(loops, c, args), list(loops)[1:]), flush=True)
     finally:
         linear.packs = serving
-        for e in engines.values():
-            e.shutdown()
+        for loop in loops.values():
+            loop.engine.shutdown()
     return 0
 
 

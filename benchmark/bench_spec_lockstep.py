@@ -191,13 +191,17 @@ def measure(loops: dict[str, ClosedLoop], clients: int, args: argparse.Namespace
     return row
 
 
-def main() -> int:
-    args = parse_args()
+def demo_loops(
+    runs: list[tuple[str, str]], args: argparse.Namespace, share: bool = True
+) -> dict[str, ClosedLoop]:
+    """A closed loop per ``(name, config)`` (a CONFIGS key, else plain) on
+    its own engine on the demo, sized for ``args``' most requests, every
+    loop over the same held-out prompts and caps; ``share``: every target
+    forward on the first engine's weights (``share_target_weights``)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_spec_load import held_out_prompts, spread_lengths
     from specserve import Engine
     from specserve.assets import demo_path
-    from specserve.engine.engine import device_scope
 
     most = max(args.concurrency)
     prompts = held_out_prompts(max(4 * most, 64), args.input_len, None)
@@ -210,26 +214,33 @@ def main() -> int:
         "max_running_requests": most,
         "max_total_tokens": most * (args.input_len + args.output_len + 64),
     }
-    names = ["plain", *args.configs]
     engines = {}
-    for name in names:
-        kw = dict(CONFIGS.get(name, {}))
+    for name, config in runs:
+        kw = dict(CONFIGS.get(config, {}))
         alg = kw.get("speculative_algorithm")
         if alg in ("DSPARK", "DFLASH"):
             kw["speculative_draft_model_path"] = demo_path(alg.lower())
         engines[name] = Engine(**common, **kw)
-    if not args.separate_weights:
+    if share:
         share_target_weights(list(engines.values()))
-    loops = {n: ClosedLoop(e, prompts, max_tokens) for n, e in engines.items()}
+    return {n: ClosedLoop(e, prompts, max_tokens) for n, e in engines.items()}
+
+
+def main() -> int:
+    args = parse_args()
+    from specserve.engine.engine import device_scope
+
+    names = ["plain", *args.configs]
+    loops = demo_loops([(n, n) for n in names], args, share=not args.separate_weights)
     results: list[dict] = []
     try:
-        with device_scope(engines["plain"].runner.device):
+        with device_scope(loops["plain"].engine.runner.device):
             for c in args.concurrency:
                 results.append(measure(loops, c, args))
                 print(format_row(results[-1], names[1:]), flush=True)
     finally:
-        for e in engines.values():
-            e.shutdown()
+        for loop in loops.values():
+            loop.engine.shutdown()
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"configs": names[1:], "rows": results}, f, indent=1)

@@ -66,6 +66,31 @@ def test_the_lockstep_ab_runs(tmp_path) -> None:
     assert row["DSPARK-fixed"]["vs_plain"] > 0 and row["DSPARK-fixed"]["tau"] >= 1
 
 
+def test_the_matmul_path_ab_runs_each_engine_on_its_policy() -> None:
+    """It replaces ``layers.linear.packs`` by name around each engine's step:
+    a rename must not break it. Each policy decides as it says: ``dense``
+    never packs, ``packed`` wherever oneDNN can, ``timed`` as serving does."""
+    import torch
+
+    path = os.path.join(ROOT, "benchmark", "bench_cpu_linear.py")
+    spec = importlib.util.spec_from_file_location("bench_cpu_linear", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from specserve.layers.linear import onednn_packs
+
+    x, w = torch.randn(1, 256), torch.randn(512, 256)
+    asked = []
+    with torch.inference_mode():
+        assert not bench.policy_packs("dense", lambda *a: True)(x, w)
+        assert bench.policy_packs("packed", lambda *a: False)(x, w) == onednn_packs(torch.float32)
+        assert bench.policy_packs("timed", lambda *a: asked.append(a) or True)(x, w)
+    assert len(asked) == 1
+    done = run("bench_cpu_linear.py", "--concurrency", "1", "--windows", "1", "--window", "4",
+               "--warm-up", "2", "--input-len", "8", "--output-len", "8")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "plain-timed" in done.stdout and "plain-dense" in done.stdout
+
+
 def test_engines_sharing_the_targets_weights_decode_as_apart() -> None:
     """The lockstep's engines run on one model's weights: a speculative
     engine and a plain one that took the plain engine's model decode what
