@@ -24,8 +24,6 @@ from typing import Any
 
 import torch
 
-POLICIES = ("packed", "timed", "dense")
-
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(

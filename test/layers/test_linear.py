@@ -225,7 +225,6 @@ def test_the_timing_keeps_whichever_path_ran_faster_per_row_class(monkeypatch) -
     def packed_matmul(x, packed):
         if x.shape[0] >= 16:
             time.sleep(0.002)  # F.linear of 16-256 rows by 256 x 256: well under 2 ms
-            return instant
         return instant
 
     monkeypatch.setattr(linear_mod, "packed_linear", packed_matmul)
