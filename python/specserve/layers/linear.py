@@ -118,8 +118,12 @@ def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
         or torch.compiler.is_compiling()
     ):
         return False
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return packed_rows(weight.shape[0], weight.shape[1], x.dtype)[row_class(rows)]
+    return packed_rows(weight.shape[0], weight.shape[1], x.dtype)[row_class(_rows(x))]
+
+
+def _rows(x: torch.Tensor) -> int:
+    """The rows of a matmul's input ``[..., in]``."""
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
 def row_class(rows: int) -> int:
@@ -179,7 +183,7 @@ def packed_linear(
     packed: torch.Tensor,  # PackedWeight.get's
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [..., out]
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    m = _rows(x)
     if m <= EXACT_ROWS:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     flat = x.reshape(m, x.shape[-1])
