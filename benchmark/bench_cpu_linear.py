@@ -39,22 +39,19 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def policy_packs(policy: str, timed: Callable[[torch.Tensor, torch.Tensor], bool]) -> Callable:
-    """``layers.linear.packs`` under ``policy`` (``timed``: serving's own)."""
-    import specserve.layers.linear as linear
+def policy_serves(policy: str, timed: Callable[[Any, torch.Tensor], bool]) -> Callable:
+    """``layers.linear.PackedWeight.serves`` under ``policy`` (``timed``:
+    serving's own)."""
+    from specserve.layers.linear import serving
 
-    def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    def serves(packed: Any, x: torch.Tensor) -> bool:
         if policy == "dense":
             return False
         if policy == "timed":
-            return timed(x, weight)
-        return (
-            not torch.is_grad_enabled()
-            and linear._packable(x.device, x.dtype, weight)
-            and not torch.compiler.is_compiling()
-        )
+            return timed(packed, x)
+        return packed._wins is not None and serving(x, packed._dtype)  # packed at load
 
-    return packs
+    return serves
 
 
 def main() -> int:
@@ -71,29 +68,29 @@ def main() -> int:
         (f"{s}{sfx}", s, p) for s in args.spec for sfx, p in (("", "packed"), ("-timed", "timed"))
     ]
     loops = demo_loops([(name, config) for name, config, _ in runs], args)
-    serving = linear.packs
+    own = linear.PackedWeight.serves
     for name, _, policy in runs:
-        loops[name].step = _under(loops[name].step, policy_packs(policy, serving), linear)
+        loops[name].step = _under(loops[name].step, policy_serves(policy, own), linear)
     try:
         with device_scope(loops["plain"].engine.runner.device):
             for c in args.concurrency:
                 print(format_row(measure(loops, c, args), list(loops)[1:]), flush=True)
     finally:
-        linear.packs = serving
+        linear.PackedWeight.serves = own
         for loop in loops.values():
             loop.engine.shutdown()
     return 0
 
 
-def _under(step: Callable[[int], None], packs: Callable, linear: Any) -> Callable[[int], None]:
-    """``step`` run with ``linear.packs`` replaced by ``packs``."""
+def _under(step: Callable[[int], None], serves: Callable, linear: Any) -> Callable[[int], None]:
+    """``step`` run with ``linear.PackedWeight.serves`` replaced by ``serves``."""
 
     def run(clients: int) -> None:
-        saved, linear.packs = linear.packs, packs
+        saved, linear.PackedWeight.serves = linear.PackedWeight.serves, serves
         try:
             step(clients)
         finally:
-            linear.packs = saved
+            linear.PackedWeight.serves = saved
 
     return run
 

@@ -67,23 +67,29 @@ def test_the_lockstep_ab_runs(tmp_path) -> None:
 
 
 def test_the_matmul_path_ab_runs_each_engine_on_its_policy() -> None:
-    """It replaces ``layers.linear.packs`` by name around each engine's step:
-    a rename must not break it. Each policy decides as it says: ``dense``
-    never packs, ``packed`` wherever oneDNN can, ``timed`` as serving does."""
+    """It replaces ``layers.linear.PackedWeight.serves`` by name around each
+    engine's step: a rename must not break it. Each policy decides as it
+    says: ``dense`` never packs, ``packed`` wherever oneDNN can, ``timed``
+    as serving does."""
     import torch
 
     path = os.path.join(ROOT, "benchmark", "bench_cpu_linear.py")
     spec = importlib.util.spec_from_file_location("bench_cpu_linear", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    from specserve.layers.linear import onednn_packs
+    from specserve.layers.linear import Linear, PackedWeight, onednn_packs
 
-    x, w = torch.randn(1, 256), torch.randn(512, 256)
+    assert callable(PackedWeight.serves)
+    lin = Linear(256, 512)
+    lin.post_load()  # packed where oneDNN can
+    x = torch.randn(1, 256)
     asked = []
     with torch.inference_mode():
-        assert not bench.policy_packs("dense", lambda *a: True)(x, w)
-        assert bench.policy_packs("packed", lambda *a: False)(x, w) == onednn_packs(torch.float32)
-        assert bench.policy_packs("timed", lambda *a: asked.append(a) or True)(x, w)
+        assert not bench.policy_serves("dense", lambda *a: True)(lin.packed, x)
+        assert bench.policy_serves("packed", lambda *a: False)(lin.packed, x) == onednn_packs(
+            torch.float32
+        )
+        assert bench.policy_serves("timed", lambda *a: asked.append(a) or True)(lin.packed, x)
     assert len(asked) == 1
     done = run("bench_cpu_linear.py", "--concurrency", "1", "--windows", "1", "--window", "4",
                "--warm-up", "2", "--input-len", "8", "--output-len", "8")  # fmt: skip

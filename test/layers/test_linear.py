@@ -193,21 +193,28 @@ def test_packed_matmuls_run_at_a_few_row_counts_and_give_the_same_values(
 @pytest.mark.skipif(not linear_mod.onednn_packs(torch.float32), reason="oneDNN packs nothing here")
 def test_each_row_count_takes_the_path_timed_faster_for_its_weight_shape(monkeypatch) -> None:
     """A serving matmul runs packed only where its weight shape's row class
-    timed the packed path faster (here: 16 rows and more for one shape, never
-    for another), else ``F.linear``; the values agree either way."""
-    from_16 = tuple(c >= 4 for c in range(linear_mod.ROW_CLASSES))
-    choice = {(256, 256): from_16, (512, 256): (False,) * linear_mod.ROW_CLASSES}
+    timed the packed path faster (here: 16 rows and more for one shape, 4-15
+    for another, never for a third), else ``F.linear``; the values agree
+    either way."""
+    classes = range(linear_mod.ROW_CLASSES)
+    choice = {
+        (256, 256): tuple(c >= 4 for c in classes),
+        (768, 256): tuple(c in (2, 3) for c in classes),
+        (512, 256): (False,) * linear_mod.ROW_CLASSES,
+    }
     monkeypatch.setattr(linear_mod, "packed_rows", lambda out, inp, dtype: choice[out, inp])
     g = torch.Generator().manual_seed(5)
-    lin, wide = Linear(256, 256), Linear(256, 512)
-    for m in (lin, wide):
+    lin, mid, wide = Linear(256, 256), Linear(256, 768), Linear(256, 512)
+    for m in (lin, mid, wide):
         with torch.no_grad():
             m.weight.copy_(torch.randn(m.weight.shape, generator=g))
         m.post_load()
     calls = _serving_calls(monkeypatch)
-    for rows, packed in ((1, 0), (8, 0), (15, 0), (16, 1), (40, 1), (5000, 1)):
+    for rows, packed, middle in (
+        (1, 0, 0), (3, 0, 0), (4, 0, 1), (8, 0, 1), (15, 0, 1), (16, 1, 0), (40, 1, 0), (5000, 1, 0)
+    ):  # fmt: skip
         x = torch.randn(rows, 256, generator=g)
-        for m, runs in ((lin, packed), (wide, 0)):
+        for m, runs in ((lin, packed), (mid, middle), (wide, 0)):
             calls.clear()
             with torch.inference_mode():
                 got = m.forward(x)

@@ -40,11 +40,18 @@ class PackedWeight:
     parameter (the loader, a tied embedding, gradients, other devices and
     ``F.linear`` use it), so CPU linear weights are held twice."""
 
-    __slots__ = ("_packed", "_of")
+    __slots__ = ("_packed", "_of", "_wins", "_dtype", "_dense_below")
 
     def __init__(self) -> None:
         self._packed: torch.Tensor | None = None
         self._of: tuple[int, int, torch.dtype] | None = None  # (data_ptr, version, dtype)
+        # Per row class, whether a serving matmul runs packed (``pack``'s
+        # ``packed_rows``), and in which input dtype; None: never.
+        self._wins: tuple[bool, ...] | None = None
+        self._dtype: torch.dtype | None = None
+        # An input of fewer elements runs ``F.linear``: its rows are fewer
+        # than the first row class timed faster packed.
+        self._dense_below: float = math.inf
 
     def get(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The packed ``weight`` (converted to ``dtype`` first when given)."""
@@ -61,11 +68,29 @@ class PackedWeight:
 
     def pack(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """Packs now (after loading), where serving will use the packed copy,
-        and times the weight's shape both ways (``packed_rows``) if not yet."""
+        and takes the row classes its shape timed faster packed
+        (``packed_rows``, timed now if not yet)."""
         dtype = dtype or weight.dtype
         if _packable(weight.device, dtype, weight):
             self.get(weight, dtype)
-            packed_rows(weight.shape[0], weight.shape[1], dtype)
+            self._wins = wins = packed_rows(weight.shape[0], weight.shape[1], dtype)
+            self._dtype = dtype
+            first = next((c for c, packed in enumerate(wins) if packed), None)
+            self._dense_below = math.inf if first is None else (1 << first) * weight.shape[1]
+
+    def serves(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` times the weight runs over the packed copy: packed at
+        load (``pack``) for ``x``'s dtype, at a row count whose class timed
+        faster so, on the CPU, eager, with nothing recording gradients
+        (serving). Below the first such class, one comparison decides: in a
+        decode step each matmul's decision from scratch (the checks, the
+        row class, its shape's timing looked up) cost 9 us, a plain step
+        at one request 4-5% of its time, against 2% for the row class
+        looked up here, and none measurable for the comparison alone."""
+        if x.numel() < self._dense_below:
+            return False
+        wins = self._wins
+        return wins is not None and wins[row_class(_rows(x))] and serving(x, self._dtype)
 
 
 @functools.cache
@@ -107,18 +132,16 @@ def _packable(device: torch.device, dtype: torch.dtype, weight: torch.Tensor) ->
     return device.type == "cpu" and weight.numel() >= PACK_MIN_ELEMENTS and onednn_packs(dtype)
 
 
-def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x`` times ``weight`` runs over the packed weight: on the CPU,
-    eager, with nothing recording gradients (serving), for a weight of at
-    least ``PACK_MIN_ELEMENTS``, at a row count where that is the faster
-    path here (``packed_rows``)."""
-    if (
-        torch.is_grad_enabled()
-        or not _packable(x.device, x.dtype, weight)
-        or torch.compiler.is_compiling()
-    ):
-        return False
-    return packed_rows(weight.shape[0], weight.shape[1], x.dtype)[row_class(_rows(x))]
+def serving(x: torch.Tensor, dtype: torch.dtype | None) -> bool:
+    """Whether a matmul of ``x`` by a weight packed for ``dtype`` is a serving
+    one: ``x`` in ``dtype`` on the CPU, eager, with nothing recording
+    gradients."""
+    return (
+        x.dtype == dtype
+        and x.is_cpu
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    )
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -218,10 +241,10 @@ def linear(
     bias: torch.Tensor | None,
     packed: PackedWeight,
 ) -> torch.Tensor:  # [..., out]
-    """``F.linear``, over ``packed`` where ``packs`` says so (the values agree
-    to float rounding); ``F.linear`` itself when training, compiling, or
-    elsewhere."""
-    if x.dtype == weight.dtype and packs(x, weight):
+    """``F.linear``, over ``packed`` where it serves (``PackedWeight.serves``;
+    the values agree to float rounding); ``F.linear`` itself when training,
+    compiling, or elsewhere."""
+    if packed.serves(x):
         return packed_linear(x, packed.get(weight), bias)
     return F.linear(x, weight, bias)
 
@@ -317,7 +340,7 @@ class FusedLinears:
     def __call__(self, x: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
         """``x [..., in]`` -> ``[..., sum(out)]`` (or the output ``rows`` only)."""
         w = self.weight
-        if w is not None and x.dtype == w.dtype and packs(x, w):
+        if w is not None and self.packed.serves(x):
             # The packed weight is the whole one: every row, then the slice.
             return packed_linear(x, self.packed.get(w), self.bias)[..., rows]
         w, b = (w, self.bias) if w is not None else self._joined()
@@ -384,6 +407,6 @@ class LogitsHead(nn.Linear):
             out = torch.mm(flat, w.t(), out_dtype=torch.float32)
             return out.view(*x.shape[:-1], w.shape[0])
         xf = x.float()
-        if packs(xf, w):
+        if self.packed.serves(xf):
             return packed_linear(xf, self.packed.get(w, torch.float32))
         return F.linear(xf, w if w.dtype == torch.float32 else self.cpu_weight())
