@@ -82,11 +82,13 @@ class PackedWeight:
         """Whether ``x`` times the weight runs over the packed copy: packed at
         load (``pack``) for ``x``'s dtype, at a row count whose class timed
         faster so, on the CPU, eager, with nothing recording gradients
-        (serving). Below the first such class, one comparison decides: in a
-        decode step each matmul's decision from scratch (the checks, the
-        row class, its shape's timing looked up) cost 9 us, a plain step
-        at one request 4-5% of its time, against 2% for the row class
-        looked up here, and none measurable for the comparison alone."""
+        (serving). A weight ``pack`` never packed (another device, a small
+        weight, training) runs ``F.linear``. Below the first such class
+        one comparison decides: in a decode step each matmul's decision
+        from scratch (the checks, the row class, its shape's timing looked
+        up: 9 us a call there) cost a plain step at one request 4-5% of its
+        time; the row class from what ``pack`` kept, 2%; the comparison
+        alone, nothing measurable."""
         if x.numel() < self._dense_below:
             return False
         wins = self._wins
